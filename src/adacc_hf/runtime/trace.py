@@ -1,0 +1,222 @@
+"""Trace one block of each block group: the ordered list of ops that `Policy` tables address."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..adapters import Adapter, get_adapter
+from ..adapters.registry import _base_model
+from ..policy import OpSpec
+from .ops import (
+    OpKeyer,
+    RegionTracker,
+    is_keyed,
+    is_random,
+    mutated_args,
+    storage_id,
+    tensor_outputs,
+)
+
+
+@dataclass
+class BlockTrace:
+    group: str
+    path: str  # the block that was traced
+    num_blocks: int
+    input_nbytes: int
+    ops: list[OpSpec] = field(default_factory=list)
+
+
+@dataclass
+class ModelTrace:
+    model_type: str
+    adapter: str
+    adapter_version: int
+    groups: dict[str, BlockTrace]
+
+
+@dataclass
+class _Rec:
+    key: str
+    region: str
+    packet: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    random: bool
+    mutated: bool = False
+    saved: bool = False
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, keyer: OpKeyer) -> None:
+        super().__init__()
+        self.keyer = keyer
+        self.recs: list[_Rec] = []
+        self.produced: dict[int, int] = {}  # storage -> index into recs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func._schema.is_mutable:
+            for t in mutated_args(func, args, kwargs):
+                idx = self.produced.get(storage_id(t))
+                if idx is not None:
+                    self.recs[idx].mutated = True
+            return out
+        if not is_keyed(func):
+            return out
+        tensors = tensor_outputs(out)
+        key, region, packet = self.keyer.key(func)
+        first = tensors[0]
+        rec = _Rec(
+            key=key,
+            region=region,
+            packet=packet,
+            shape=tuple(first.shape),
+            dtype=str(first.dtype),
+            nbytes=sum(t.numel() * t.element_size() for t in tensors),
+            random=is_random(func),
+        )
+        for t in tensors:
+            if t.numel():
+                self.produced[storage_id(t)] = len(self.recs)
+        self.recs.append(rec)
+        return out
+
+
+class _TraceDone(Exception):
+    pass
+
+
+def dummy_batch(model: nn.Module, batch_size: int = 1, seq_len: int = 16) -> dict[str, Any]:
+    """A small deterministic batch that runs `model` (for tracing without user data)."""
+    config = model.config
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    vocab = int(getattr(config, "vocab_size", 100))
+    ids = torch.randint(3, vocab, (batch_size, seq_len), generator=g).to(device)
+    batch: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if getattr(config, "is_encoder_decoder", False):
+        batch["labels"] = ids[:, : max(1, seq_len // 2)].clone()
+    else:
+        batch["labels"] = ids.clone()
+    return batch
+
+
+def _model_kwargs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    kwargs = dict(batch)
+    if getattr(model.config, "use_cache", False) or "use_cache" in kwargs:
+        kwargs["use_cache"] = False  # as the Trainer trains: no KV cache copies
+    return kwargs
+
+
+def _devices(model: nn.Module) -> list[int]:
+    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+
+
+@contextlib.contextmanager
+def train_mode(model: nn.Module):
+    """Put `model` in training mode for the block, then restore every module's flag."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for m, t in modes:
+            m.training = t
+
+
+def trace_model(model: nn.Module, batch: Mapping[str, Any] | None = None) -> ModelTrace:
+    """Run the model forward (train mode, no RNG side effects) and trace one block per group.
+
+    The forward stops right after the last traced block. `batch` defaults to `dummy_batch`;
+    pass the real micro-batch for shapes that match training.
+    """
+    adapter = get_adapter(model)
+    base = _base_model(model)
+    groups = adapter.block_groups(base)
+    if not groups:
+        raise ValueError(f"found no transformer blocks in {type(base).__name__}")
+    if batch is None:
+        batch = dummy_batch(base)
+    traces: dict[str, BlockTrace] = {}
+    pending = {id(g.modules[0]): g for g in groups}
+    saved_attrs = []
+    for g in groups:
+        block = g.modules[0]
+        saved_attrs.append((block, dict(block.__dict__)))
+        block.gradient_checkpointing = True
+        block._gradient_checkpointing_func = _tracer(adapter, g, block, traces, pending)
+    try:
+        with (
+            train_mode(base),
+            torch.random.fork_rng(devices=_devices(base)),
+            contextlib.suppress(_TraceDone),
+        ):
+            base(**_model_kwargs(base, batch))
+    finally:
+        for block, attrs in saved_attrs:
+            for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+                if name in attrs:
+                    setattr(block, name, attrs[name])
+                else:
+                    block.__dict__.pop(name, None)
+    missing = [g.name for g in groups if g.name not in traces]
+    if missing:
+        raise RuntimeError(f"tracing never ran block group(s) {missing}")
+    return ModelTrace(base.config.model_type, adapter.name, adapter.version, traces)
+
+
+def _tracer(adapter: Adapter, group, block: nn.Module, traces: dict, pending: dict):
+    def run(fn, *args):
+        regions = RegionTracker(block)
+        rec = _Recorder(OpKeyer(regions))
+        saved: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.add(storage_id(t))
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
+                out = fn(*args)
+        finally:
+            regions.remove()
+        for sid, idx in rec.produced.items():
+            if sid in saved:
+                rec.recs[idx].saved = True
+        types = adapter.layer_types([(r.region, r.packet) for r in rec.recs], group.name)
+        ops = [
+            OpSpec(
+                key=r.key,
+                layer_type=t,
+                shape=r.shape,
+                dtype=r.dtype,
+                nbytes=r.nbytes,
+                saved=r.saved,
+                cacheable=not (r.mutated or r.random),
+            )
+            for r, t in zip(rec.recs, types, strict=True)
+        ]
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        traces[group.name] = BlockTrace(
+            group=group.name,
+            path=group.paths[0],
+            num_blocks=len(group.modules),
+            input_nbytes=first.numel() * first.element_size() if first is not None else 0,
+            ops=ops,
+        )
+        pending.pop(id(block), None)
+        if not pending:
+            raise _TraceDone
+        return out
+
+    return run
