@@ -38,7 +38,7 @@ class AdaccHandle:
                 self._saved.append(
                     (block, {a: block.__dict__[a] for a in _ATTRS if a in block.__dict__})
                 )
-                rt = BlockRuntime(block, path, variant)
+                rt = BlockRuntime(block, path, group.name, variant)
                 self.runtimes[path] = rt
                 block.gradient_checkpointing = True
                 block._gradient_checkpointing_func = rt
@@ -77,6 +77,11 @@ class AdaccHandle:
     def unknown_ops(self) -> set[str]:
         """Ops seen at run time that the policy does not name (they were recomputed)."""
         return set().union(*(rt.unknown for rt in self.runtimes.values()))
+
+    @property
+    def fallbacks(self) -> set[str]:
+        """Compressed ops whose values a codec could not encode (kept exact instead)."""
+        return set().union(*(rt.fallbacks for rt in self.runtimes.values()))
 
     def __enter__(self) -> AdaccHandle:
         return self
@@ -119,8 +124,9 @@ def apply_adacc(model: nn.Module, policy: Policy) -> AdaccHandle:
             if block.gradient_checkpointing:
                 raise AdaccError(
                     "transformers' gradient checkpointing is enabled on this model; adacc replaces "
-                    "it. Call model.gradient_checkpointing_disable() (and leave "
-                    "TrainingArguments.gradient_checkpointing off) before applying adacc"
+                    "it. Call model.activation_checkpointing_disable() (gradient_checkpointing_"
+                    "disable() before transformers 5.23) and leave TrainingArguments."
+                    "gradient_checkpointing off before applying adacc"
                 )
     handle = AdaccHandle(base, policy)
     handle._install()

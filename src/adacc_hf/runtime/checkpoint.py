@@ -65,6 +65,11 @@ def _nbytes(entry: Any) -> int:
     return 0
 
 
+def _finite(enc: Encoded) -> bool:
+    """True when every float payload tensor (scales, offsets, exact outliers) is finite."""
+    return all(bool(torch.isfinite(t).all()) for t in enc.tensors.values() if t.is_floating_point())
+
+
 def _unpack(entry: Any) -> Any:
     return entry.decode() if isinstance(entry, _Packed) else entry
 
@@ -72,11 +77,13 @@ def _unpack(entry: Any) -> Any:
 class BlockRuntime:
     """Runs one block under one variant of the policy; installed as the block's checkpoint fn."""
 
-    def __init__(self, block: nn.Module, path: str, variant: Variant) -> None:
+    def __init__(self, block: nn.Module, path: str, group: str, variant: Variant) -> None:
         self.block = block
         self.path = path
+        self.group = group
         self.regions = RegionTracker(block)
         self.unknown: set[str] = set()
+        self.fallbacks: set[str] = set()
         self.last_bytes: dict[str, int] = {}
         self.set_variant(variant)
 
@@ -96,23 +103,37 @@ class BlockRuntime:
 
     def __call__(self, fn, *args):
         run = _Run(self)
-        return checkpoint(
+        out = checkpoint(
             fn,
             *args,
             use_reentrant=False,
             context_fn=lambda: (_KeepMode(run), _ReplayMode(run)),
             preserve_rng_state=True,
         )
+        # A retained output that is the block's own output costs nothing extra: the next block
+        # (or the final norm) holds it anyway.
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel():
+                key = run.kept_storages.get(storage_id(t))
+                if key is not None:
+                    self.last_bytes[key] = 0
+        return out
 
     # ---- forward-side helpers
-    def encode(self, action: Action, out: Any) -> Any:
+    def encode(self, key: str, action: Action, out: Any) -> Any:
         if action.kind == "retain":
             return tree_map(detach_for_cache, out)
         codec = self.codec(action)
 
         def enc(t: torch.Tensor) -> Any:
             if t.dtype in _FLOATS:
-                return _Packed(codec, codec.encode(t), t.stride())
+                encoded = codec.encode(t)
+                if not _finite(encoded):
+                    # inf / NaN inputs (e.g. -inf attention masks) cannot be quantised: keep this
+                    # output exact rather than corrupt the gradients.
+                    self.note_fallback(key, codec.name)
+                    return detach_for_cache(t)
+                return _Packed(codec, encoded, t.stride())
             if t.dtype == torch.bool:
                 return _Packed(self._bitpack, self._bitpack.encode(t), t.stride())
             return detach_for_cache(t)
@@ -122,6 +143,16 @@ class BlockRuntime:
         # Multi-output ops (e.g. native_layer_norm -> out, mean, rstd): only the main output is
         # compressed; the small statistics are kept exact.
         return type(out)([enc(out[0]), *(detach_for_cache(t) for t in out[1:])])
+
+    def note_fallback(self, key: str, codec: str) -> None:
+        if key not in self.fallbacks:
+            self.fallbacks.add(key)
+            logger.warning(
+                "adacc: %s cannot encode op %s in block %s (non-finite values); kept exact",
+                codec,
+                key,
+                self.path,
+            )
 
     def note_unknown(self, key: str) -> None:
         if key not in self.unknown:
@@ -177,7 +208,7 @@ class _KeepMode(TorchDispatchMode):
             return out
         if action.kind == "recompute" or is_random(func):
             return out
-        entry = run.rt.encode(action, out)
+        entry = run.rt.encode(key, action, out)
         run.store[key] = entry
         run.rt.last_bytes[key] = _nbytes(entry)
         if action.kind == "retain":

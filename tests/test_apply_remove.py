@@ -1,0 +1,120 @@
+"""apply_adacc patches one instance reversibly; applying twice is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import step
+
+from adacc_hf import (
+    AdaccError,
+    AlreadyAppliedError,
+    Policy,
+    UnsupportedModelError,
+    apply_adacc,
+    assets,
+)
+
+
+def _hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_remove_restores_the_model_exactly(tiny):
+    model, batch = tiny
+    pristine = copy.deepcopy(model)
+    before_dicts = {n: set(vars(m)) for n, m in model.named_modules()}
+    policy = Policy.random(model, batch, seed=2, kinds=("retain", "recompute", "compress"))
+    handle = apply_adacc(model, policy)
+    assert _hooks(model) > 0
+    step(model, batch)
+    handle.remove()
+
+    assert _hooks(model) == 0
+    assert {n: set(vars(m)) for n, m in model.named_modules()} == before_dicts
+    assert str(model) == str(pristine)
+    sd, ref_sd = model.state_dict(), pristine.state_dict()
+    assert sd.keys() == ref_sd.keys() and all(torch.equal(sd[k], ref_sd[k]) for k in sd)
+    loss, grads, out = step(model, batch)
+    ref_loss, ref_grads, ref_out = step(pristine, batch)
+    assert torch.equal(loss, ref_loss) and torch.equal(out.logits, ref_out.logits)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    handle.remove()  # a second remove is a no-op
+
+
+def test_context_manager_form_removes_on_exit(tiny):
+    model, batch = tiny
+    with apply_adacc(model, Policy.uniform(model, "recompute", batch)) as handle:
+        assert handle.active and _hooks(model) > 0
+    assert not handle.active and _hooks(model) == 0
+
+
+def test_applying_twice_is_a_clear_error_and_reapply_after_remove_works(tiny):
+    model, batch = tiny
+    policy = Policy.uniform(model, "recompute", batch)
+    handle = apply_adacc(model, policy)
+    with pytest.raises(AlreadyAppliedError, match="already applied"):
+        apply_adacc(model, policy)
+    handle.remove()
+    with apply_adacc(model, policy):
+        pass
+
+
+def test_set_policy_switches_without_double_patching(tiny):
+    model, batch = tiny
+    ref_loss, ref_grads, _ = step(model, batch)
+    handle = apply_adacc(model, Policy.uniform(model, "recompute", batch))
+    hooks = _hooks(model)
+    handle.set_policy(Policy.attention_recompute(model, batch))
+    assert _hooks(model) == hooks
+    loss, grads, _ = step(model, batch)
+    handle.remove()
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+
+
+def test_hf_gradient_checkpointing_already_on_is_refused(tiny):
+    model, batch = tiny
+    policy = Policy.uniform(model, "recompute", batch)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    disable = getattr(model, "activation_checkpointing_disable", None)
+    (enable or model.gradient_checkpointing_enable)()
+    with pytest.raises(AdaccError, match="checkpointing_disable"):
+        apply_adacc(model, policy)
+    (disable or model.gradient_checkpointing_disable)()
+    apply_adacc(model, policy).remove()
+
+
+def test_unsupported_model_names_the_supported_families():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    opt = OPTForCausalLM(
+        OPTConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=1,
+            ffn_dim=32,
+            num_attention_heads=2,
+            word_embed_proj_dim=16,
+        )
+    )
+    with pytest.raises(UnsupportedModelError, match="'opt'.*bert, gpt2, llama"):
+        Policy.uniform(opt, "recompute")
+    with pytest.raises(UnsupportedModelError, match="no `config.model_type`"):
+        Policy.uniform(torch.nn.Linear(2, 2), "recompute")
+
+
+def test_policy_for_another_model_is_refused_before_patching():
+    llama = assets.tiny_model("llama")
+    gpt2 = assets.tiny_model("gpt2")
+    deeper = assets.tiny_model("llama", num_hidden_layers=3)
+    policy = Policy.uniform(llama, "recompute")
+    from adacc_hf import PolicyError
+
+    with pytest.raises(PolicyError, match="made for a 'llama' model, not 'gpt2'"):
+        apply_adacc(gpt2, policy)
+    with pytest.raises(PolicyError, match="do not match"):
+        apply_adacc(deeper, policy)
+    assert _hooks(gpt2) == 0 and _hooks(deeper) == 0
