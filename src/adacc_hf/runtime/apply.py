@@ -28,8 +28,10 @@ class AdaccHandle:
 
     def _install(self) -> None:
         adapter = get_adapter(self.model)
+        warned: set = set()
         for group in adapter.block_groups(self.model):
             gp = self.policy.groups[group.name]
+            known = {o.key for o in gp.ops}
             for path, block, variant in zip(
                 group.paths, group.modules, gp.block_variants(), strict=True
             ):
@@ -38,7 +40,7 @@ class AdaccHandle:
                 self._saved.append(
                     (block, {a: block.__dict__[a] for a in _ATTRS if a in block.__dict__})
                 )
-                rt = BlockRuntime(block, path, group.name, variant)
+                rt = BlockRuntime(block, path, group.name, variant, known, warned)
                 self.runtimes[path] = rt
                 block.gradient_checkpointing = True
                 block._gradient_checkpointing_func = rt

@@ -77,13 +77,23 @@ def _unpack(entry: Any) -> Any:
 class BlockRuntime:
     """Runs one block under one variant of the policy; installed as the block's checkpoint fn."""
 
-    def __init__(self, block: nn.Module, path: str, group: str, variant: Variant) -> None:
+    def __init__(
+        self,
+        block: nn.Module,
+        path: str,
+        group: str,
+        variant: Variant,
+        known_ops: set[str],
+        warned: set[str],
+    ) -> None:
         self.block = block
         self.path = path
         self.group = group
+        self.known_ops = known_ops  # ops the policy names (absent from `actions`: recompute)
         self.regions = RegionTracker(block)
         self.unknown: set[str] = set()
         self.fallbacks: set[str] = set()
+        self._warned = warned  # shared by every block of one handle: one warning per op
         self.last_bytes: dict[str, int] = {}
         self.set_variant(variant)
 
@@ -145,8 +155,9 @@ class BlockRuntime:
         return type(out)([enc(out[0]), *(detach_for_cache(t) for t in out[1:])])
 
     def note_fallback(self, key: str, codec: str) -> None:
-        if key not in self.fallbacks:
-            self.fallbacks.add(key)
+        self.fallbacks.add(key)
+        if ("fallback", key) not in self._warned:
+            self._warned.add(("fallback", key))
             logger.warning(
                 "adacc: %s cannot encode op %s in block %s (non-finite values); kept exact",
                 codec,
@@ -155,8 +166,9 @@ class BlockRuntime:
             )
 
     def note_unknown(self, key: str) -> None:
-        if key not in self.unknown:
-            self.unknown.add(key)
+        self.unknown.add(key)
+        if ("unknown", key) not in self._warned:
+            self._warned.add(("unknown", key))
             logger.warning(
                 "adacc: op %s in block %s is not in the policy; recomputing it (the policy was "
                 "traced on another batch shape, mask or attention path)",
@@ -204,7 +216,8 @@ class _KeepMode(TorchDispatchMode):
         key, _, _ = self.keyer.key(func)
         action = run.rt.actions.get(key)
         if action is None:
-            run.rt.note_unknown(key)
+            if key not in run.rt.known_ops:
+                run.rt.note_unknown(key)
             return out
         if action.kind == "recompute" or is_random(func):
             return out

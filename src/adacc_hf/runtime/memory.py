@@ -32,6 +32,7 @@ class ActivationMemory:
     total: int
     blocks: dict[str, int] = field(default_factory=dict)
     other: int = 0
+    largest_other: int = 0  # the largest single storage outside the blocks
 
     @property
     def per_block_mean(self) -> float:
@@ -90,6 +91,7 @@ def activation_memory_report(model: nn.Module, batch: Mapping[str, Any]) -> Acti
             report.blocks[where] += nbytes
         else:
             report.other += nbytes
+            report.largest_other = max(report.largest_other, nbytes)
     del loss
     return report
 

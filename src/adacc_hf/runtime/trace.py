@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..adapters import Adapter, get_adapter
+from ..adapters import Adapter, BlockGroup, get_adapter
 from ..adapters.registry import _base_model
 from ..policy import OpSpec
 from .ops import (
@@ -53,18 +53,31 @@ class _Rec:
     random: bool
     mutated: bool = False
     saved: bool = False
+    elapsed: Any = None
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, keyer: OpKeyer) -> None:
+    """Records every keyed op of one block run (and, with a timer, how long each op took)."""
+
+    def __init__(self, keyer: OpKeyer, timer: Any = None) -> None:
         super().__init__()
         self.keyer = keyer
+        self.timer = timer
+        self.outputs: list[Any] = []  # filled when a timer keeps outputs
+        self.other_ms: list[Any] = []  # timings of ops that always rerun (views, in-place)
         self.recs: list[_Rec] = []
         self.produced: dict[int, int] = {}  # storage -> index into recs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if self.timer is None:
+            out = func(*args, **kwargs)
+            elapsed = None
+        else:
+            out, elapsed = self.timer(func, args, kwargs)
+        keyed = is_keyed(func) and not func._schema.is_mutable
+        if elapsed is not None and not keyed:
+            self.other_ms.append(elapsed)
         if func._schema.is_mutable:
             for t in mutated_args(func, args, kwargs):
                 idx = self.produced.get(storage_id(t))
@@ -89,6 +102,9 @@ class _Recorder(TorchDispatchMode):
             if t.numel():
                 self.produced[storage_id(t)] = len(self.recs)
         self.recs.append(rec)
+        if self.timer is not None:
+            rec.elapsed = elapsed
+            self.outputs.append(out)
         return out
 
 
@@ -134,11 +150,16 @@ def train_mode(model: nn.Module):
             m.training = t
 
 
-def trace_model(model: nn.Module, batch: Mapping[str, Any] | None = None) -> ModelTrace:
-    """Run the model forward (train mode, no RNG side effects) and trace one block per group.
+def run_representatives(
+    model: nn.Module,
+    batch: Mapping[str, Any] | None,
+    visit: Callable[[Adapter, BlockGroup, nn.Module, Callable, tuple], Any],
+) -> None:
+    """Run the model forward in train mode (no RNG side effects) and hand the first block of each
+    group to `visit(adapter, group, block, fn, args)`, which must return `fn(*args)`'s result.
 
-    The forward stops right after the last traced block. `batch` defaults to `dummy_batch`;
-    pass the real micro-batch for shapes that match training.
+    Blocks are reached through transformers' per-layer checkpoint hook, so they see exactly the
+    arguments a checkpointed block sees in training. The forward stops after the last visit.
     """
     adapter = get_adapter(model)
     base = _base_model(model)
@@ -147,14 +168,24 @@ def trace_model(model: nn.Module, batch: Mapping[str, Any] | None = None) -> Mod
         raise ValueError(f"found no transformer blocks in {type(base).__name__}")
     if batch is None:
         batch = dummy_batch(base)
-    traces: dict[str, BlockTrace] = {}
-    pending = {id(g.modules[0]): g for g in groups}
+    pending = {id(g.modules[0]) for g in groups}
     saved_attrs = []
+
+    def hook(group: BlockGroup, block: nn.Module):
+        def run(fn, *args):
+            out = visit(adapter, group, block, fn, args)
+            pending.discard(id(block))
+            if not pending:
+                raise _TraceDone
+            return out
+
+        return run
+
     for g in groups:
         block = g.modules[0]
         saved_attrs.append((block, dict(block.__dict__)))
         block.gradient_checkpointing = True
-        block._gradient_checkpointing_func = _tracer(adapter, g, block, traces, pending)
+        block._gradient_checkpointing_func = hook(g, block)
     try:
         with (
             train_mode(base),
@@ -169,54 +200,76 @@ def trace_model(model: nn.Module, batch: Mapping[str, Any] | None = None) -> Mod
                     setattr(block, name, attrs[name])
                 else:
                     block.__dict__.pop(name, None)
-    missing = [g.name for g in groups if g.name not in traces]
-    if missing:
-        raise RuntimeError(f"tracing never ran block group(s) {missing}")
-    return ModelTrace(base.config.model_type, adapter.name, adapter.version, traces)
+    if pending:
+        missing = [g.name for g in groups if id(g.modules[0]) in pending]
+        raise RuntimeError(f"the forward pass never ran block group(s) {missing}")
 
 
-def _tracer(adapter: Adapter, group, block: nn.Module, traces: dict, pending: dict):
-    def run(fn, *args):
-        regions = RegionTracker(block)
-        rec = _Recorder(OpKeyer(regions))
-        saved: set[int] = set()
+def record_block(
+    adapter: Adapter,
+    group: BlockGroup,
+    block: nn.Module,
+    fn: Callable,
+    args: tuple,
+    timer: Any = None,
+) -> tuple[Any, _Recorder, list[OpSpec]]:
+    """Run one block once under the recorder; returns (output, recorder, op specs)."""
+    regions = RegionTracker(block)
+    rec = _Recorder(OpKeyer(regions), timer)
+    saved: set[int] = set()
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.add(storage_id(t))
-            return t
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(storage_id(t))
+        return t
 
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
-                out = fn(*args)
-        finally:
-            regions.remove()
-        for sid, idx in rec.produced.items():
-            if sid in saved:
-                rec.recs[idx].saved = True
-        types = adapter.layer_types([(r.region, r.packet) for r in rec.recs], group.name)
-        ops = [
-            OpSpec(
-                key=r.key,
-                layer_type=t,
-                shape=r.shape,
-                dtype=r.dtype,
-                nbytes=r.nbytes,
-                saved=r.saved,
-                cacheable=not (r.mutated or r.random),
-            )
-            for r, t in zip(rec.recs, types, strict=True)
-        ]
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
+            out = fn(*args)
+    finally:
+        regions.remove()
+    for sid, idx in rec.produced.items():
+        if sid in saved:
+            rec.recs[idx].saved = True
+    types = adapter.layer_types([(r.region, r.packet) for r in rec.recs], group.name)
+    ops = [
+        OpSpec(
+            key=r.key,
+            layer_type=t,
+            shape=r.shape,
+            dtype=r.dtype,
+            nbytes=r.nbytes,
+            saved=r.saved,
+            cacheable=not (r.mutated or r.random),
+        )
+        for r, t in zip(rec.recs, types, strict=True)
+    ]
+    return out, rec, ops
+
+
+def first_tensor_nbytes(args: tuple) -> int:
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    return first.numel() * first.element_size() if first is not None else 0
+
+
+def trace_model(model: nn.Module, batch: Mapping[str, Any] | None = None) -> ModelTrace:
+    """Trace one block per group: the ordered op list that `Policy` tables address.
+
+    `batch` defaults to `dummy_batch`; pass the real micro-batch for shapes that match training.
+    """
+    traces: dict[str, BlockTrace] = {}
+
+    def visit(adapter, group, block, fn, args):
+        out, _, ops = record_block(adapter, group, block, fn, args)
         traces[group.name] = BlockTrace(
             group=group.name,
             path=group.paths[0],
             num_blocks=len(group.modules),
-            input_nbytes=first.numel() * first.element_size() if first is not None else 0,
+            input_nbytes=first_tensor_nbytes(args),
             ops=ops,
         )
-        pending.pop(id(block), None)
-        if not pending:
-            raise _TraceDone
         return out
 
-    return run
+    run_representatives(model, batch, visit)
+    adapter = get_adapter(model)
+    base = _base_model(model)
+    return ModelTrace(base.config.model_type, adapter.name, adapter.version, traces)
