@@ -39,8 +39,10 @@ def demo(args: argparse.Namespace) -> int:
         "attention-core recompute": Policy.attention_recompute(model, batch),
         "uniform compression": Policy.uniform(model, "compress", batch),
     }
-    print(f"\n{'policy':26s} {'MiB/block':>9s} {'blocks MiB':>10s} {'other MiB':>9s} {'vs none':>7s}"
-          f" {'loss':>7s}")
+    print(
+        f"\n{'policy':26s} {'MiB/block':>9s} {'blocks MiB':>10s} {'other MiB':>9s} {'vs none':>7s}"
+        f" {'loss':>7s}"
+    )
     base = None
     for name, policy in policies.items():
         with apply_adacc(model, policy):
@@ -50,8 +52,10 @@ def demo(args: argparse.Namespace) -> int:
             loss = model(**batch).loss.item()
         blocks = sum(report.blocks.values())
         base = base or blocks
-        print(f"{name:26s} {_mib(blocks / n_blocks):>9s} {_mib(blocks):>10s} {_mib(report.other):>9s}"
-              f" {blocks / base:7.3f} {loss:7.4f}")
+        print(
+            f"{name:26s} {_mib(blocks / n_blocks):>9s} {_mib(blocks):>10s} {_mib(report.other):>9s}"
+            f" {blocks / base:7.3f} {loss:7.4f}"
+        )
     if args.show_policy:
         print("\nUniform-compression policy (one block):\n")
         print(policies["uniform compression"].table())

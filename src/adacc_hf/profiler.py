@@ -178,7 +178,11 @@ def _time_call(fn: Callable[[], Any], device: torch.device, repeats: int) -> flo
     return statistics.median(times)
 
 
-def candidate_codecs(op: OpSpec, allowed: Iterable[str] | None = None) -> list[Codec]:
+def candidate_codecs(
+    op: OpSpec,
+    allowed: Iterable[str] | None = None,
+    params: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[Codec]:
     """Codecs worth profiling for an op: its layer type's codec (bit-packing for bool masks),
     or every allowed codec that accepts the dtype when `allowed` is given."""
     if op.dtype == "torch.bool":
@@ -194,7 +198,8 @@ def candidate_codecs(op: OpSpec, allowed: Iterable[str] | None = None) -> list[C
         not op.shape or op.shape[-1] < MIN_COMPRESS_CHANNELS or numel < MIN_COMPRESS_NUMEL
     ):
         return []
-    return [get_codec(n) for n in names]
+    params = params or {}
+    return [get_codec(n, **dict(params.get(n, {}))) for n in names]
 
 
 def profile_codec(
@@ -238,6 +243,7 @@ def profile_model(
     sample_batch: Mapping[str, Any],
     *,
     codecs: Iterable[str] | None = None,
+    codec_params: Mapping[str, Mapping[str, Any]] | None = None,
     repeats: int = 5,
     warmup: int = 1,
 ) -> Profile:
@@ -245,7 +251,8 @@ def profile_model(
 
     Runs under full recomputation (plus one block at a time without it), so it fits wherever full
     recomputation fits. `codecs` widens the codecs profiled per op (default: the layer type's own
-    codec); `repeats` timed runs after `warmup` give medians.
+    codec), `codec_params` sets their parameters (e.g. the outlier z-score threshold); `repeats`
+    timed runs after `warmup` give medians.
     """
     t_start = time.perf_counter()
     adapter = get_adapter(model)
@@ -290,7 +297,7 @@ def profile_model(
                 block_output=bool(_storages(raw) & outs),
             )
             if op.cacheable and tensors:
-                for codec in candidate_codecs(op, allowed):
+                for codec in candidate_codecs(op, allowed, codec_params):
                     cp = profile_codec(codec, tensors[0], device)
                     if cp is not None:
                         prof.codecs[codec.name] = cp

@@ -71,6 +71,11 @@ class AdaccHandle:
         self.policy = policy
         self._install()
 
+    def set_tracker(self, tracker: Any) -> None:
+        """Hand every checkpointed block's ops to `tracker` during the next forwards (None: stop)."""
+        for rt in self.runtimes.values():
+            rt.tracker = tracker
+
     def cached_bytes(self) -> dict[str, int]:
         """Bytes each checkpointed block cached (raw or encoded) in its last forward."""
         return {p: sum(rt.last_bytes.values()) for p, rt in self.runtimes.items()}

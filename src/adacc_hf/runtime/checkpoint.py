@@ -94,6 +94,7 @@ class BlockRuntime:
         self.unknown: set[str] = set()
         self.fallbacks: set[str] = set()
         self._warned = warned  # shared by every block of one handle: one warning per op
+        self.tracker: Any = None  # an evolution.OutlierTracker during tracking steps
         self.last_bytes: dict[str, int] = {}
         self.set_variant(variant)
 
@@ -215,13 +216,16 @@ class _KeepMode(TorchDispatchMode):
             return out
         key, _, _ = self.keyer.key(func)
         action = run.rt.actions.get(key)
-        if action is None:
-            if key not in run.rt.known_ops:
+        tracker = run.rt.tracker
+        if action is None or action.kind == "recompute" or is_random(func):
+            if action is None and key not in run.rt.known_ops:
                 run.rt.note_unknown(key)
-            return out
-        if action.kind == "recompute" or is_random(func):
+            if tracker is not None:
+                tracker.observe(run.rt.group, key, out)
             return out
         entry = run.rt.encode(key, action, out)
+        if tracker is not None:
+            tracker.observe(run.rt.group, key, out, entry)
         run.store[key] = entry
         run.rt.last_bytes[key] = _nbytes(entry)
         if action.kind == "retain":

@@ -1,0 +1,121 @@
+"""The rectifier: re-measure codec ratios and errors during training, re-solve when they drift.
+
+Outlier statistics move early in training and settle later, so tracking follows an exponential
+backoff: tracking steps 1, 2, 4, 8, ... apart, up to `max_interval` (reset to 1 when the policy
+changes). On a tracking step the runtime hands every op that has a profiled codec to an
+`OutlierTracker` during that step's normal forward (no extra forward): the codec's encoded size and
+error are measured on the live activation of every checkpointed block. `apply` folds the means
+into a copy of the `Profile`, which the solver turns into the next policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .codecs import Codec, get_codec
+from .profiler import Profile
+
+
+@dataclass
+class TrackingSchedule:
+    """Which optimizer steps are tracking steps: 1, 2, 4, ... apart, capped at `max_interval`."""
+
+    max_interval: int = 1024
+    next_step: int = 1
+    interval: int = 1
+    history: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_interval < 1:
+            raise ValueError(f"max_interval must be >= 1, got {self.max_interval}")
+
+    def is_tracking_step(self, step: int) -> bool:
+        return step >= self.next_step
+
+    def advance(self, step: int, changed: bool) -> None:
+        """Schedule the next tracking step after tracking at `step`."""
+        self.history.append(step)
+        self.interval = 1 if changed else min(self.interval * 2, self.max_interval)
+        self.next_step = step + self.interval
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "max_interval": self.max_interval,
+            "next_step": self.next_step,
+            "interval": self.interval,
+            "history": list(self.history),
+        }
+
+    @classmethod
+    def from_state_dict(cls, d: dict[str, Any]) -> TrackingSchedule:
+        return cls(**d)
+
+
+@dataclass
+class _Sample:
+    nbytes: int
+    rel_error: float
+    n_outliers: int
+
+
+class OutlierTracker:
+    """Collects each profiled codec's encoded size and error on live activations of one forward."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.codecs: dict[tuple[str, str], list[Codec]] = {}
+        for g in profile.groups.values():
+            for op in g.ops:
+                if op.codecs:
+                    self.codecs[(g.name, op.key)] = [
+                        get_codec(c.codec, **c.params) for c in op.codecs.values()
+                    ]
+        self.samples: dict[tuple[str, str, str], list[_Sample]] = defaultdict(list)
+
+    def observe(self, group: str, key: str, out: Any, encoded: Any = None) -> None:
+        """Measure the codecs of op `key` on its output `out` (reusing `encoded` if it matches)."""
+        codecs = self.codecs.get((group, key))
+        if not codecs:
+            return
+        x = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return
+        for codec in codecs:
+            enc = getattr(encoded, "enc", None)
+            if enc is None or enc.codec != codec.name:
+                enc = codec.encode(x)
+            dec = codec.decode(enc)
+            xf = x.float()
+            denom = float(xf.norm())
+            err = float((dec.float() - xf).norm()) / denom if denom else 0.0
+            if not math.isfinite(err):
+                err = math.inf
+            self.samples[(group, key, codec.name)].append(
+                _Sample(enc.nbytes(), err, int(enc.meta.get("n_outliers", 0)))
+            )
+
+    def apply(self, profile: Profile) -> tuple[Profile, list[str]]:
+        """A copy of `profile` with every observed codec's mean size and worst error, and a list of
+        human-readable changes (size change > 1 %, error change > 10 %)."""
+        new = copy.deepcopy(profile)
+        changes = []
+        for (group, key, codec), samples in self.samples.items():
+            op = next(o for o in new.groups[group].ops if o.key == key)
+            cp = op.codecs[codec]
+            nbytes = round(sum(s.nbytes for s in samples) / len(samples))
+            err = max(s.rel_error for s in samples)
+            outl = round(sum(s.n_outliers for s in samples) / len(samples))
+            if abs(nbytes - cp.nbytes) > 0.01 * cp.nbytes or (
+                abs(err - cp.rel_error) > 0.1 * max(cp.rel_error, 1e-6)
+            ):
+                changes.append(
+                    f"{group}:{key} {codec}: {cp.nbytes} -> {nbytes} B, error "
+                    f"{cp.rel_error:.3g} -> {err:.3g}, outliers {cp.n_outliers} -> {outl}"
+                )
+            cp.nbytes, cp.rel_error, cp.n_outliers = nbytes, err, outl
+        return new, changes

@@ -1,0 +1,326 @@
+"""`AdaccSession`: profile on a real batch, solve, apply, and evolve the policy during training.
+
+Every entry point uses it: the Trainer callback, `AdaccTrainer`, and `adacc_hf.prepare` for custom
+loops and Accelerate. With no policy and no sample batch, `attach()` defers everything to the
+model's first training forward, which then profiles on that very batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..adapters.registry import _base_model
+from ..codecs import CodecError, get_codec
+from ..errors import AdaccError
+from ..evolution import OutlierTracker, TrackingSchedule
+from ..policy import Policy
+from ..profiler import Profile, profile_model
+from ..runtime import AdaccHandle, apply_adacc
+
+logger = logging.getLogger("adacc_hf")
+
+
+@dataclass
+class AdaccConfig:
+    """What an `AdaccSession` does; `AdaccTrainingArguments` fills it from `adacc_*` fields."""
+
+    budget: int | str = "auto"
+    codecs: list[str] | None = None  # codecs the solver may pick (None: each layer type's own)
+    zscore_threshold: float = 3.0
+    adaptive: bool = True
+    max_tracking_interval: int = 1024
+    solver: str = "cbc"
+    solver_time_limit: float = 10.0
+    max_codec_error: float = 0.5
+    split_blocks: bool = True
+    optimizer: str = "adamw_torch"
+    mixed_precision: str | None = None
+    zero_stage: int = 0
+    fsdp: bool = False
+    world_size: int = 1
+    offload_optimizer: bool = False
+    profile_repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if self.codecs is not None:
+            for name in self.codecs:
+                try:
+                    get_codec(name)
+                except CodecError as e:
+                    raise AdaccError(f"adacc codecs: {e}") from None
+        if self.max_tracking_interval < 1:
+            raise AdaccError("max_tracking_interval must be >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise AdaccError(f"zero_stage must be 0-3, got {self.zero_stage}")
+
+    def codec_params(self) -> dict[str, dict[str, Any]]:
+        return {"int4_outlier": {"zscore_threshold": self.zscore_threshold}}
+
+
+@dataclass
+class AdaccEvent:
+    """Something worth logging: the first policy, or a switch."""
+
+    step: int
+    kind: str  # "policy" | "switch" | "track"
+    policy: Policy | None = None
+    message: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class AdaccSession:
+    """Owns the profile, the policy, the patch on the model and the tracking schedule."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: AdaccConfig | None = None,
+        *,
+        policy: Policy | None = None,
+        profile: Profile | None = None,
+    ) -> None:
+        self.model = _base_model(model)
+        self.config = config or AdaccConfig()
+        self.policy = policy
+        self.profile = profile
+        self.handle: AdaccHandle | None = None
+        self.schedule = TrackingSchedule(self.config.max_tracking_interval)
+        self.events: list[AdaccEvent] = []
+        self.static_nbytes: int | None = None
+        self.budget_nbytes: int | None = None
+        self._hook: Any = None
+        self._tracker: OutlierTracker | None = None
+        self.step = 0
+        #: Where other ranks get the policy from (distributed runs set it; see accelerate_utils).
+        self.broadcast: Callable[[Policy | None], Policy] | None = None
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _static(self) -> int:
+        from ..solver import estimate_static_memory
+
+        c = self.config
+        est = estimate_static_memory(
+            self.model,
+            optimizer=c.optimizer,
+            mixed_precision=c.mixed_precision,
+            zero_stage=c.zero_stage,
+            fsdp=c.fsdp,
+            world_size=c.world_size,
+            offload_optimizer=c.offload_optimizer,
+        )
+        return est.total
+
+    def solve(self, profile: Profile) -> Policy:
+        from ..solver import parse_budget, solve_policy
+
+        if self.budget_nbytes is None:
+            self.budget_nbytes = parse_budget(self.config.budget, self.device)
+        if self.static_nbytes is None:
+            self.static_nbytes = self._static()
+        c = self.config
+        policy = solve_policy(
+            profile,
+            self.budget_nbytes,
+            static_nbytes=self.static_nbytes,
+            codecs=c.codecs,
+            max_rel_error=c.max_codec_error,
+            solver=c.solver,
+            time_limit_s=c.solver_time_limit,
+            split_blocks=c.split_blocks,
+        )
+        policy.metadata["budget_spec"] = str(c.budget)
+        return policy
+
+    def setup(self, batch: Mapping[str, Any]) -> Policy:
+        """Profile on `batch` (unless a policy was given), solve, and patch the model."""
+        if self.policy is None:
+            if self.profile is None:
+                self.profile = profile_model(
+                    self.model,
+                    batch,
+                    codecs=self.config.codecs,
+                    codec_params=self.config.codec_params(),
+                    repeats=self.config.profile_repeats,
+                )
+            policy = self.solve(self.profile)
+            if self.broadcast is not None:
+                policy = self.broadcast(policy)
+        else:
+            policy = self.policy
+            if self.broadcast is not None:
+                policy = self.broadcast(policy)
+        self.apply(policy)
+        self.events.append(
+            AdaccEvent(self.step, "policy", policy, _describe(policy), _metrics(policy))
+        )
+        logger.info("adacc policy (%s):\n%s", _describe(policy), policy.table())
+        return policy
+
+    def apply(self, policy: Policy) -> None:
+        if self.handle is not None and self.handle.active:
+            self.handle.set_policy(policy)
+        else:
+            self.handle = apply_adacc(self.model, policy)
+        self.policy = policy
+
+    def attach(self) -> None:
+        """Defer `setup` to the model's first training forward (which is profiled)."""
+        if self._hook is not None or (self.handle is not None and self.handle.active):
+            return
+
+        def first_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not module.training:
+                return
+            self.detach_hook()
+            batch = dict(kwargs)
+            if args:
+                batch.setdefault("input_ids", args[0])
+            self.setup(batch)
+
+        self._hook = self.model.register_forward_pre_hook(first_forward, with_kwargs=True)
+
+    def detach_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    @property
+    def active(self) -> bool:
+        return self.handle is not None and self.handle.active
+
+    # --------------------------------------------------------------- evolution
+    def on_step_begin(self, step: int) -> None:
+        """Call before the forward of optimizer step `step` (1-based)."""
+        self.step = step
+        if (
+            self.config.adaptive
+            and self.active
+            and self.profile is not None
+            and self.schedule.is_tracking_step(step)
+        ):
+            self._tracker = OutlierTracker(self.profile)
+            self.handle.set_tracker(self._tracker)
+
+    def on_step_end(self, step: int) -> AdaccEvent | None:
+        """Call after optimizer step `step`: on tracking steps, re-solve and maybe switch."""
+        tracker, self._tracker = self._tracker, None
+        if tracker is None or not self.active:
+            return None
+        self.handle.set_tracker(None)
+        new_profile, changes = tracker.apply(self.profile)
+        self.profile = new_profile
+        new_policy = self.solve(new_profile)
+        if self.broadcast is not None:
+            new_policy = self.broadcast(new_policy)
+        changed = new_policy.fingerprint() != self.policy.fingerprint()
+        self.schedule.advance(step, changed)
+        if not changed:
+            event = AdaccEvent(step, "track", None, f"{len(changes)} codec statistics moved")
+            self.events.append(event)
+            return event
+        self.apply(new_policy)
+        msg = f"switched policy at step {step}: {_describe(new_policy)}"
+        if changes:
+            msg += "; " + "; ".join(changes[:5])
+        logger.info("adacc %s", msg)
+        event = AdaccEvent(step, "switch", new_policy, msg, _metrics(new_policy))
+        self.events.append(event)
+        return event
+
+    def step_done(self, step: int) -> AdaccEvent | None:
+        """For custom loops: call once after each optimizer step."""
+        event = self.on_step_end(step)
+        self.on_step_begin(step + 1)
+        return event
+
+    def drain_events(self) -> list[AdaccEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def close(self) -> None:
+        """Undo everything on the model (the policy and profile stay readable)."""
+        self.detach_hook()
+        if self.handle is not None:
+            self.handle.set_tracker(None)
+            self.handle.remove()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule.state_dict(),
+            "config": asdict(self.config),
+            "step": self.step,
+        }
+
+
+def _describe(policy: Policy) -> str:
+    pred = policy.metadata.get("predicted", {})
+    parts = [str(policy.metadata.get("source", "?"))]
+    if "peak" in pred:
+        parts.append(f"predicted peak {pred['peak'] / 2**30:.2f} GiB")
+    if "added_ms" in pred:
+        parts.append(f"+{pred['added_ms']:.1f} ms/step")
+    counts: dict[str, int] = {}
+    for g in policy.summary().values():
+        for k, v in g.items():
+            k = k.split(":")[0]
+            counts[k] = counts.get(k, 0) + v
+    parts.append(", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return "; ".join(parts)
+
+
+def _metrics(policy: Policy) -> dict[str, float]:
+    pred = policy.metadata.get("predicted", {})
+    out: dict[str, float] = {}
+    for k in ("peak", "held", "transient"):
+        if isinstance(pred.get(k), (int, float)):
+            out[f"adacc/predicted_{k}_mib"] = pred[k] / 2**20
+    if isinstance(pred.get("added_ms"), (int, float)):
+        out["adacc/predicted_added_ms"] = float(pred["added_ms"])
+    for g in policy.summary().values():
+        for k, v in g.items():
+            name = f"adacc/{k.split(':')[0]}_ops"
+            out[name] = out.get(name, 0) + v
+    return out
+
+
+def prepare(
+    model: nn.Module,
+    budget: int | str = "auto",
+    sample_batch: Mapping[str, Any] | None = None,
+    *,
+    policy: Policy | str | None = None,
+    codecs: Iterable[str] | None = None,
+    adaptive: bool = False,
+    **config: Any,
+) -> AdaccSession:
+    """Adacc for custom loops and Accelerate: profile, solve and patch `model`.
+
+    With `sample_batch` this happens now; without, on the model's first training forward. A saved
+    `policy` (object or JSON path) skips profiling. With ``adaptive=True`` call
+    ``session.step_done(step)`` after each optimizer step. Undo with ``session.close()``.
+    """
+    if isinstance(policy, str):
+        policy = Policy.load(policy)
+    cfg = AdaccConfig(
+        budget=budget,
+        codecs=list(codecs) if codecs is not None else None,
+        adaptive=adaptive,
+        **config,
+    )
+    session = AdaccSession(model, cfg, policy=policy)
+    if sample_batch is not None:
+        session.setup(sample_batch)
+        session.on_step_begin(1)
+    else:
+        session.attach()
+    return session
