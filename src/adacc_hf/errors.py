@@ -17,3 +17,7 @@ class PolicyError(AdaccError, ValueError):
 
 class AlreadyAppliedError(AdaccError):
     """`apply_adacc` was called on a model that is already patched."""
+
+
+class BudgetError(AdaccError, ValueError):
+    """A memory budget is malformed, or no policy fits in it."""

@@ -46,8 +46,13 @@ class AdaccConfig:
     world_size: int = 1
     offload_optimizer: bool = False
     profile_repeats: int = 3
+    # Fraction of the activation share of the budget (budget - static) the solver leaves free for
+    # batch-to-batch variation (padding masks change the op sequence) and fragmentation.
+    headroom: float = 0.03
 
     def __post_init__(self) -> None:
+        if not 0 <= self.headroom < 0.5:
+            raise AdaccError(f"headroom must be in [0, 0.5), got {self.headroom}")
         if self.codecs is not None:
             for name in self.codecs:
                 try:
@@ -122,15 +127,21 @@ class AdaccSession:
 
     def solve(self, profile: Profile) -> Policy:
         from ..solver import parse_budget, solve_policy
+        from ..solver.milp import min_budget
 
         if self.budget_nbytes is None:
             self.budget_nbytes = parse_budget(self.config.budget, self.device)
         if self.static_nbytes is None:
             self.static_nbytes = self._static()
         c = self.config
+        # Keep `headroom` of the activation share free, unless only the whole budget fits.
+        share = self.budget_nbytes - self.static_nbytes
+        planned = self.budget_nbytes - int(max(0, share) * c.headroom)
+        if planned < min_budget(profile, self.static_nbytes):
+            planned = self.budget_nbytes
         policy = solve_policy(
             profile,
-            self.budget_nbytes,
+            planned,
             static_nbytes=self.static_nbytes,
             codecs=c.codecs,
             max_rel_error=c.max_codec_error,
@@ -139,6 +150,8 @@ class AdaccSession:
             split_blocks=c.split_blocks,
         )
         policy.metadata["budget_spec"] = str(c.budget)
+        policy.metadata["budget_nbytes"] = self.budget_nbytes
+        policy.metadata["headroom"] = c.headroom
         return policy
 
     def setup(self, batch: Mapping[str, Any]) -> Policy:
@@ -265,8 +278,8 @@ class AdaccSession:
 def _describe(policy: Policy) -> str:
     pred = policy.metadata.get("predicted", {})
     parts = [str(policy.metadata.get("source", "?"))]
-    if "peak" in pred:
-        parts.append(f"predicted peak {pred['peak'] / 2**30:.2f} GiB")
+    if "peak_nbytes" in pred:
+        parts.append(f"predicted peak {pred['peak_nbytes'] / 2**30:.2f} GiB")
     if "added_ms" in pred:
         parts.append(f"+{pred['added_ms']:.1f} ms/step")
     counts: dict[str, int] = {}
@@ -282,8 +295,8 @@ def _metrics(policy: Policy) -> dict[str, float]:
     pred = policy.metadata.get("predicted", {})
     out: dict[str, float] = {}
     for k in ("peak", "held", "transient"):
-        if isinstance(pred.get(k), (int, float)):
-            out[f"adacc/predicted_{k}_mib"] = pred[k] / 2**20
+        if isinstance(pred.get(f"{k}_nbytes"), (int, float)):
+            out[f"adacc/predicted_{k}_mib"] = pred[f"{k}_nbytes"] / 2**20
     if isinstance(pred.get("added_ms"), (int, float)):
         out["adacc/predicted_added_ms"] = float(pred["added_ms"])
     for g in policy.summary().values():

@@ -243,8 +243,8 @@ def policy_card_summary(policy: Policy) -> dict[str, Any]:
         "library_version": __version__,
         "policy_fingerprint": policy.fingerprint(),
         "source": meta.get("source"),
-        "budget": meta.get("budget_spec", meta.get("budget")),
-        "budget_bytes": meta.get("budget"),
+        "budget": meta.get("budget_spec"),
+        "budget_bytes": meta.get("budget_nbytes"),
         "predicted": meta.get("predicted"),
         "actions": policy.summary(),
         "per_op": {

@@ -1,0 +1,253 @@
+"""Static memory: parameters, gradients, optimizer states and master weights, per device.
+
+`estimate_static_memory` predicts it from the model alone (optimizer name as in
+``TrainingArguments.optim``, sharding, offload); `measured_static_memory` sums the real bytes after
+a step. Rules (per trainable parameter of ``n`` elements at ``e`` bytes each):
+
+* gradients: ``n * e`` (frozen parameters, e.g. a LoRA base model, have none);
+* ``adamw_torch*`` / ``adamw`` / ``adam`` / ``adamw_hf``: 2 states at the parameter dtype
+  (+ a 4-byte step tensor per parameter for torch's optimizers);
+* ``*8bit*`` (bitsandbytes, block size 256): 1 byte per element per state + one fp32 absmax per
+  256 elements, for parameters of >= 4096 elements (smaller ones keep fp32 states), + the shared
+  256-entry fp32 quantisation maps;
+* ``sgd``: no state (torch's default momentum 0); ``sgd_momentum``: 1 state;
+* ``adafactor`` (transformers, ``beta1=None``): fp32 row + column statistics for matrices,
+  a full fp32 state for vectors, + a 4-byte RMS scalar per parameter;
+* ``lion``, ``adagrad``, ``rmsprop``: 1 state (``*_32bit``: fp32 states);
+* master weights (``master_weights=True``, DeepSpeed-style mixed precision with 16-bit
+  parameters): 4 bytes per element. AMP with fp32 parameters needs no master copy.
+
+Sharding over ``world_size``: ZeRO-1 divides optimizer states and master weights, ZeRO-2 also
+gradients, ZeRO-3 and FSDP (full shard) also parameters. ``offload_optimizer`` keeps optimizer
+states and master weights off the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import BudgetError
+from .budget import fmt_bytes
+
+BNB_BLOCK = 256  # bitsandbytes blockwise quantisation block (elements per fp32 absmax)
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller parameters
+BNB_QMAP_NBYTES = 256 * 4  # one 256-entry fp32 quantisation map, shared by all parameters
+KNOWN_OPTIMIZERS = (
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adamw_hf",
+    "adamw",
+    "adam",
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    "lion",
+    "lion_8bit",
+    "lion_32bit",
+    "paged_lion_8bit",
+    "paged_lion_32bit",
+    "sgd",
+    "sgd_momentum",
+    "adafactor",
+    "adagrad",
+    "rmsprop",
+)
+MIXED_PRECISION = (None, "no", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class _OptimizerModel:
+    states: int  # full-size states per trainable element
+    kind: str  # "param" (parameter dtype), "fp32", "8bit" or "factored"
+    step_tensor: bool = False  # torch's optimizers keep a 0-dim fp32 step per parameter
+
+
+def _optimizer_model(name: str) -> _OptimizerModel:
+    n = name.lower().strip()
+    one_state = any(k in n for k in ("lion", "rmsprop", "adagrad"))
+    if "8bit" in n:
+        return _OptimizerModel(1 if one_state else 3 if "ademamix" in n else 2, "8bit")
+    if n == "sgd":
+        return _OptimizerModel(0, "param")
+    if n == "sgd_momentum":
+        return _OptimizerModel(1, "param")
+    if n == "adafactor":
+        return _OptimizerModel(1, "factored")
+    if n in ("adagrad", "rmsprop"):
+        return _OptimizerModel(1, "param", step_tensor=True)
+    if n == "lion":
+        return _OptimizerModel(1, "param")
+    if n.endswith("_32bit") and ("adamw" in n or "lion" in n):
+        return _OptimizerModel(1 if one_state else 2, "fp32")
+    if "4bit" not in n and (n.startswith("adamw_torch") or n in ("adamw", "adam")):
+        return _OptimizerModel(2, "param", step_tensor=True)
+    if n == "adamw_hf":
+        return _OptimizerModel(2, "param")
+    raise BudgetError(
+        f"unknown optimizer {name!r} for the static memory model; known: "
+        f"{', '.join(KNOWN_OPTIMIZERS)} (and any 'adamw_torch*' name except 4-bit ones, "
+        "or '*8bit*')"
+    )
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Bytes per device that do not depend on the activation policy."""
+
+    params: int
+    grads: int
+    optimizer: int
+    master_weights: int
+    num_params: int = 0
+    num_trainable: int = 0
+    note: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.master_weights
+
+    def describe(self) -> str:
+        """A small table: one line per component, then the total."""
+        rows = [
+            ("parameters", self.params, f"{self.num_params:,} elements"),
+            ("gradients", self.grads, f"{self.num_trainable:,} trainable"),
+            ("optimizer states", self.optimizer, ""),
+            ("master weights", self.master_weights, ""),
+        ]
+        lines = [f"{'component':18s} {'bytes/device':>14s}  note"]
+        lines += [f"{k:18s} {fmt_bytes(v):>14s}  {n}".rstrip() for k, v, n in rows]
+        lines.append(f"{'total':18s} {fmt_bytes(self.total):>14s}  {self.note}".rstrip())
+        return "\n".join(lines)
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    seen: set[tuple[str, int]] = set()
+    out = []
+    for p in model.parameters():
+        key = (str(p.device), p.untyped_storage().data_ptr()) if p.numel() else ("", id(p))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(p)
+    return out
+
+
+def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel) -> int:
+    n, e = p.numel(), p.element_size()
+    step = 4 if opt.step_tensor else 0
+    if opt.kind == "param":
+        return opt.states * n * e + step
+    if opt.kind == "fp32":
+        return opt.states * n * 4 + step
+    if opt.kind == "8bit":
+        if n < BNB_MIN_8BIT_SIZE:
+            return opt.states * n * 4
+        return opt.states * (n + 4 * math.ceil(n / BNB_BLOCK))
+    # factored (Adafactor): fp32 row/col second moments for >= 2-D, full otherwise; RMS scalar
+    if p.dim() >= 2:
+        rows = math.prod(p.shape[:-1])
+        cols = math.prod(p.shape[:-2]) * p.shape[-1]
+        return (rows + cols) * 4 + 4
+    return n * 4 + 4
+
+
+def estimate_static_memory(
+    model: nn.Module,
+    *,
+    optimizer: str = "adamw_torch",
+    mixed_precision: str | None = None,
+    master_weights: bool = False,
+    zero_stage: int = 0,
+    fsdp: bool = False,
+    world_size: int = 1,
+    offload_optimizer: bool = False,
+) -> StaticMemory:
+    """Predicted static bytes per device of training ``model`` (rules in the module docstring)."""
+    opt = _optimizer_model(optimizer)
+    if mixed_precision not in MIXED_PRECISION:
+        raise BudgetError(
+            f"mixed_precision must be one of {MIXED_PRECISION}, not {mixed_precision!r}"
+        )
+    if master_weights and mixed_precision in (None, "no"):
+        raise BudgetError("master_weights=True needs mixed_precision='bf16' or 'fp16'")
+    if zero_stage not in (0, 1, 2, 3):
+        raise BudgetError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
+    if fsdp and zero_stage:
+        raise BudgetError("use either fsdp=True (full shard) or a ZeRO stage, not both")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise BudgetError(f"world_size must be an int >= 1, not {world_size!r}")
+
+    params = grads = states = master = 0
+    num = trainable = 0
+    any_8bit = False
+    for p in _unique_params(model):
+        n, e = p.numel(), p.element_size()
+        params += n * e
+        num += n
+        if not p.requires_grad:
+            continue
+        trainable += n
+        grads += n * e
+        states += _state_nbytes(p, opt)
+        any_8bit |= opt.kind == "8bit" and n >= BNB_MIN_8BIT_SIZE
+        if master_weights and p.is_floating_point() and e < 4:
+            master += 4 * n
+    if any_8bit:
+        states += opt.states * BNB_QMAP_NBYTES
+
+    def shard(nbytes: int, on: bool) -> int:
+        return -(-nbytes // world_size) if on else nbytes
+
+    stage = 3 if fsdp else zero_stage
+    notes = [optimizer]
+    if stage:
+        notes.append(f"{'FSDP full shard' if fsdp else f'ZeRO-{stage}'} over {world_size}")
+    if offload_optimizer:
+        notes.append("optimizer offloaded")
+    states, master = shard(states, stage >= 1), shard(master, stage >= 1)
+    if offload_optimizer:
+        states = master = 0
+    return StaticMemory(
+        params=shard(params, stage >= 3),
+        grads=shard(grads, stage >= 2),
+        optimizer=states,
+        master_weights=master,
+        num_params=num,
+        num_trainable=trainable,
+        note=", ".join(notes),
+    )
+
+
+def measured_static_memory(model: nn.Module, optimizer_obj: Any) -> int:
+    """Real bytes of parameters, their gradients and every tensor in ``optimizer_obj.state``.
+
+    Each storage counts once (tied weights, shared quantisation maps, views).
+    """
+    seen: set[tuple[str, int]] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor):
+            return
+        s = t.untyped_storage()
+        key = (str(t.device), s.data_ptr())
+        if s.nbytes() == 0 or key in seen:
+            return
+        seen.add(key)
+        total += s.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for state in optimizer_obj.state.values():
+        values = state.values() if isinstance(state, dict) else [state]
+        for v in values:
+            add(v)
+    return total
