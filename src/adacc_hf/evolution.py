@@ -41,8 +41,10 @@ class TrackingSchedule:
     def advance(self, step: int, changed: bool) -> None:
         """Schedule the next tracking step after tracking at `step`."""
         self.history.append(step)
-        self.interval = 1 if changed else min(self.interval * 2, self.max_interval)
+        if changed:
+            self.interval = 1
         self.next_step = step + self.interval
+        self.interval = min(self.interval * 2, self.max_interval)
 
     def state_dict(self) -> dict[str, Any]:
         return {

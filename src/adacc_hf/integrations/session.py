@@ -233,6 +233,8 @@ class AdaccSession:
         new_profile, changes = tracker.apply(self.profile)
         self.profile = new_profile
         new_policy = self.solve(new_profile)
+        if not self._should_switch(new_profile, new_policy):
+            new_policy = self.policy
         if self.broadcast is not None:
             new_policy = self.broadcast(new_policy)
         changed = new_policy.fingerprint() != self.policy.fingerprint()
@@ -249,6 +251,32 @@ class AdaccSession:
         event = AdaccEvent(step, "switch", new_policy, msg, _metrics(new_policy))
         self.events.append(event)
         return event
+
+    def _should_switch(self, profile: Profile, new: Policy) -> bool:
+        """Switch when the current policy no longer fits the budget or uses a codec whose measured
+        error is now above the limit, or when the new one is clearly (> 2 %) faster."""
+        from ..solver import predict
+
+        if new.fingerprint() == self.policy.fingerprint():
+            return False
+        cur = predict(profile, self.policy, self.static_nbytes or 0)
+        if cur.peak_nbytes > (self.budget_nbytes or 0):
+            return True
+        errors = {
+            (g.name, o.key, c.codec): c.rel_error
+            for g in profile.groups.values()
+            for o in g.ops
+            for c in o.codecs.values()
+        }
+        for gname, gp in self.policy.groups.items():
+            for v in gp.variants:
+                for key, a in v.actions.items():
+                    if a.kind == "compress":
+                        err = errors.get((gname, key, a.codec), 0.0)
+                        if not err <= self.config.max_codec_error:
+                            return True
+        best = predict(profile, new, self.static_nbytes or 0)
+        return best.added_ms < 0.98 * cur.added_ms
 
     def step_done(self, step: int) -> AdaccEvent | None:
         """For custom loops: call once after each optimizer step."""

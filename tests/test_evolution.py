@@ -1,0 +1,112 @@
+"""The rectifier: tracking steps back off exponentially, and a real shift in the activations
+(outlier channels appearing mid-training) switches the policy at the next tracking step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adacc_hf import assets, estimate_static_memory, prepare, profile_model
+from adacc_hf.evolution import TrackingSchedule
+
+
+def test_tracking_steps_back_off_exponentially_and_reset_on_change():
+    s = TrackingSchedule(max_interval=8)
+    tracked = []
+    for step in range(1, 60):
+        if s.is_tracking_step(step):
+            tracked.append(step)
+            s.advance(step, changed=(step == 24))
+    assert tracked[:6] == [1, 2, 4, 8, 16, 24]  # 1, 2, 4, 8 apart, then capped at 8
+    i = tracked.index(24)  # a change restarts the backoff
+    assert tracked[i + 1 : i + 5] == [25, 27, 31, 39]
+    with pytest.raises(ValueError):
+        TrackingSchedule(max_interval=0)
+
+
+def _setup(adaptive: bool):
+    # Wide enough that a matmul costs more than encoding its output, so compression is chosen.
+    model = assets.tiny_model(
+        "llama",
+        seed=0,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
+    batch = assets.tiny_batch("llama", model, batch_size=4, seq_len=64)
+    static = estimate_static_memory(model, optimizer="sgd").total
+    prof = profile_model(model, batch, codecs=["int4_naive"], repeats=2)
+    low = static + prof.full_recompute_nbytes() + prof.groups["block"].transient_nbytes
+    budget = int(low + 0.4 * (static + prof.no_checkpoint_nbytes() - low))
+    session = prepare(
+        model,
+        budget,
+        batch,
+        codecs=["int4_naive"],
+        adaptive=adaptive,
+        optimizer="sgd",
+        max_codec_error=0.3,
+    )
+    return model, batch, session
+
+
+def _compressed(policy) -> int:
+    return sum(
+        a.kind == "compress"
+        for g in policy.groups.values()
+        for v in g.variants
+        for a in v.actions.values()
+    )
+
+
+def _train(model, batch, session, steps=12, shift_at=5):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    events = []
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        loss = model(**batch).loss
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+        if step == shift_at:
+            with torch.no_grad():  # outlier channels appear in every projection's output
+                for name, p in model.named_parameters():
+                    if name.endswith("proj.weight"):
+                        p[:4] *= 80.0
+        ev = session.step_done(step)
+        if ev is not None:
+            events.append(ev)
+    return events
+
+
+def test_outlier_shift_switches_policy_at_the_next_tracking_step():
+    model, batch, session = _setup(adaptive=True)
+    first = session.policy
+    assert _compressed(first) > 0, "naive INT4 should be worth it before the shift"
+    events = _train(model, batch, session)
+    assert session.schedule.history[:4] == [1, 2, 4, 8]
+    switches = [e for e in events if e.kind == "switch"]
+    assert switches and switches[0].step == 8  # first tracking step after the shift at step 5
+    assert all(e.kind != "switch" for e in events if e.step < 8)
+    assert session.schedule.history[4] == 9  # the backoff restarts after a switch
+    # The naive codec's error on the shifted activations is above the limit: fewer compressions.
+    assert _compressed(session.policy) < _compressed(first)
+    errors = [
+        c.rel_error
+        for g in session.profile.groups.values()
+        for o in g.ops
+        for c in o.codecs.values()
+        if c.codec == "int4_naive"
+    ]
+    assert max(errors) > 0.3
+    session.close()
+
+
+def test_adaptive_off_never_tracks_or_switches():
+    model, batch, session = _setup(adaptive=False)
+    first = session.policy
+    events = _train(model, batch, session)
+    assert events == [] and session.schedule.history == []
+    assert session.policy.fingerprint() == first.fingerprint()
+    session.close()
