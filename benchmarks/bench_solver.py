@@ -219,6 +219,7 @@ def synthetic_profile(family: str, seed: int = 0) -> Profile:
                 cacheable=cacheable,
                 fwd_ms=noisy(ms),
                 block_output=i == last_add,
+                shared_nbytes=nbytes if i == last_add else 0,
             )
             if cacheable and size != "r":
                 for codec in CODEC.get(layer_type, ()):

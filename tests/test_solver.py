@@ -57,6 +57,7 @@ def op(key, layer_type, numel, fwd_ms, codecs=(), *, cacheable=True, block_outpu
         cacheable=cacheable,
         fwd_ms=fwd_ms,
         block_output=block_output,
+        shared_nbytes=nbytes if block_output else 0,
         codecs=cps,
     )
 

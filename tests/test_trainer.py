@@ -186,3 +186,29 @@ def test_budget_below_static_memory_fails_before_training(tmp_path):
     with pytest.raises(BudgetError, match="smallest feasible budget"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+def test_lora_with_8bit_adamw_trains_and_static_memory_accounts_for_it(tmp_path):
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from adacc_hf.solver import measured_static_memory
+
+    model = assets.tiny_model("llama", seed=0)
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    )
+    batch = assets.tiny_batch("llama", assets.tiny_config("llama"))
+    budget = mixed_budget(model, batch)
+    args = _args(tmp_path, budget, optim="adamw_bnb_8bit", save_strategy="no")
+    assert args.adacc_config().optimizer == "adamw_bnb_8bit"
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(batch))
+    trainer.train()
+    session = _session(trainer)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert losses[-1] < losses[0]
+    # The static model used for the budget equals what the 8-bit optimizer really holds (with
+    # gradients present: the Trainer frees them after each step).
+    model(**batch).loss.backward()
+    assert session.static_nbytes == measured_static_memory(model, trainer.optimizer)
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert lora and all(p.grad is not None and torch.isfinite(p.grad).all() for p in lora)

@@ -1,4 +1,4 @@
-"""Command line: ``adacc-hf demo``."""
+"""Command line: ``adacc-hf demo`` and ``adacc-hf plan``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,46 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
+
+#: Named configurations for `plan --config` (random init unless the name says pretrained).
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt2": ("gpt2", {"n_embd": 768, "n_layer": 12, "n_head": 12}),
+    "gpt2-medium": ("gpt2", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
+    "gpt2-large": ("gpt2", {"n_embd": 1280, "n_layer": 36, "n_head": 20}),
+    "llama-1b": (
+        "llama",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 22,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "vocab_size": 32000,
+        },
+    ),
+    "t5-small": (
+        "t5",
+        {
+            "d_model": 512,
+            "d_ff": 2048,
+            "num_layers": 6,
+            "num_heads": 8,
+            "d_kv": 64,
+            "decoder_start_token_id": 0,
+        },
+    ),
+    "bert-base": ("bert", {}),
+    "tiny-llama": ("tiny", {"family": "llama"}),
+    "tiny-gpt2": ("tiny", {"family": "gpt2"}),
+    "tiny-t5": ("tiny", {"family": "t5"}),
+    "tiny-bert": ("tiny", {"family": "bert"}),
+}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class _BadInput(Exception):
+    pass
 
 
 def _mib(n: float) -> str:
@@ -53,12 +93,104 @@ def demo(args: argparse.Namespace) -> int:
         blocks = sum(report.blocks.values())
         base = base or blocks
         print(
-            f"{name:26s} {_mib(blocks / n_blocks):>9s} {_mib(blocks):>10s} {_mib(report.other):>9s}"
-            f" {blocks / base:7.3f} {loss:7.4f}"
+            f"{name:26s} {_mib(blocks / n_blocks):>9s} {_mib(blocks):>10s} "
+            f"{_mib(report.other):>9s} {blocks / base:7.3f} {loss:7.4f}"
         )
     if args.show_policy:
         print("\nUniform-compression policy (one block):\n")
         print(policies["uniform compression"].table())
+    return 0
+
+
+def _build_model(args: argparse.Namespace):
+    import torch
+    import transformers
+
+    from . import assets
+
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    if args.model:
+        if not os.path.isdir(args.model):
+            raise _BadInput(f"--model {args.model!r} is not a local model directory (offline)")
+        config = transformers.AutoConfig.from_pretrained(args.model, local_files_only=True)
+        cls = _auto_class(config)
+        return cls.from_pretrained(args.model, local_files_only=True, dtype=dtype), config
+    name = args.config
+    if name == "smollm2-135m":
+        model, _ = assets.load_smollm2(dtype=dtype)
+        return model, model.config
+    if name not in CONFIGS:
+        known = ", ".join(["smollm2-135m", *CONFIGS])
+        raise _BadInput(f"unknown --config {name!r}; known: {known}")
+    family, kwargs = CONFIGS[name]
+    if family == "tiny":
+        model = assets.tiny_model(kwargs["family"]).to(dtype)
+        return model, model.config
+    config = transformers.AutoConfig.for_model(family, **kwargs)
+    torch.manual_seed(0)
+    return _auto_class(config).from_config(config, dtype=dtype), config
+
+
+def _auto_class(config):
+    import transformers
+
+    if getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModelForSeq2SeqLM
+    if config.model_type == "bert":
+        return transformers.AutoModelForMaskedLM
+    return transformers.AutoModelForCausalLM
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Profile a model on a random batch of the given shape, solve for the budget, print."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from . import get_adapter
+    from .profiler import profile_model
+    from .solver import describe_budget, estimate_static_memory, parse_budget, solve
+
+    if (args.model is None) == (args.config is None):
+        raise _BadInput("give exactly one of --model PATH or --config NAME")
+    if args.batch_size < 1 or args.seq_len < 2:
+        raise _BadInput("--batch-size must be >= 1 and --seq-len >= 2")
+    device = torch.device(args.device)
+    budget = parse_budget(args.budget, device)  # fails early on a malformed budget
+    model, config = _build_model(args)
+    get_adapter(model)  # fails early on an unsupported model
+    model.to(device).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, config.vocab_size, (args.batch_size, args.seq_len), generator=g)
+    batch: dict[str, Any] = {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
+    if getattr(config, "use_cache", False):
+        batch["use_cache"] = False
+    static = estimate_static_memory(model, optimizer=args.optimizer)
+    codecs = args.codecs.split(",") if args.codecs else None
+    t0 = time.perf_counter()
+    profile = profile_model(model, batch, codecs=codecs, repeats=args.repeats)
+    print(
+        f"profiled {profile.num_blocks} blocks on {profile.device} in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    sol = solve(profile, budget, static_nbytes=static, codecs=codecs)
+    print(f"budget: {describe_budget(args.budget, device)}")
+    print(static.describe())
+    print(sol.policy.table())
+    from .solver.budget import fmt_bytes as fb
+
+    print(
+        f"\npredicted: activations held {fb(sol.held_nbytes)} (no checkpointing "
+        f"{fb(profile.no_checkpoint_nbytes())}, full recompute "
+        f"{fb(profile.full_recompute_nbytes())}), transient {fb(sol.transient_nbytes)}, peak "
+        f"{fb(sol.peak_nbytes)} of {fb(budget)}; +{sol.added_ms:.1f} ms per step; solved in "
+        f"{sol.solve_ms:.0f} ms ({sol.status})"
+    )
+    if args.out:
+        sol.policy.save(args.out)
+        print(f"policy written to {args.out}")
+    if args.profile_out:
+        with open(args.profile_out, "w") as f:
+            f.write(profile.to_json())
     return 0
 
 
@@ -70,8 +202,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--show-policy", action="store_true", help="print the per-op table")
     p.set_defaults(func=demo)
+    q = sub.add_parser("plan", help="profile a model and solve the per-op policy for a budget")
+    q.add_argument("--model", help="local model directory (config.json + weights)")
+    q.add_argument("--config", help=f"named config: smollm2-135m, {', '.join(CONFIGS)}")
+    q.add_argument("--batch-size", type=int, default=8)
+    q.add_argument("--seq-len", type=int, default=512)
+    q.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
+    q.add_argument("--budget", required=True, help="e.g. 20GiB, 20GB, 80%%, auto, or bytes")
+    q.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    q.add_argument("--optimizer", default="adamw_torch")
+    q.add_argument("--codecs", help="comma-separated codecs the solver may use")
+    q.add_argument("--repeats", type=int, default=3, help="timed profiling runs")
+    q.add_argument("--out", help="write the policy JSON here")
+    q.add_argument("--profile-out", help="write the profile JSON here")
+    q.set_defaults(func=plan)
     args = parser.parse_args(argv)
-    return args.func(args)
+    from .errors import AdaccError
+
+    try:
+        return args.func(args)
+    except (_BadInput, AdaccError) as e:
+        print(f"adacc-hf {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
 
 
 if __name__ == "__main__":

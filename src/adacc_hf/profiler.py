@@ -67,12 +67,13 @@ class OpProfile:
     saved: bool
     cacheable: bool
     fwd_ms: float  # time to (re)compute it
-    block_output: bool = False  # retaining it is free: the next block holds it anyway
+    block_output: bool = False  # an output of this op is the block's output
     codecs: dict[str, CodecProfile] = field(default_factory=dict)
+    shared_nbytes: int = 0  # bytes of its outputs held anyway (by the next block, as its input)
 
     @property
     def retain_nbytes(self) -> int:
-        return 0 if self.block_output else self.nbytes
+        return self.nbytes - self.shared_nbytes
 
 
 @dataclass
@@ -295,6 +296,11 @@ def profile_model(
                 cacheable=op.cacheable,
                 fwd_ms=fwd[op.key],
                 block_output=bool(_storages(raw) & outs),
+                shared_nbytes=sum(
+                    t.numel() * t.element_size()
+                    for t in tensors
+                    if t.numel() and storage_id(t) in outs
+                ),
             )
             if op.cacheable and tensors:
                 for codec in candidate_codecs(op, allowed, codec_params):
@@ -370,19 +376,28 @@ class _Held:
 
 
 def _block_memory(base, batch, groups, specs) -> tuple[dict[str, int], _Held]:
-    """Measured bytes held per block: (no checkpointing for each group's first block,
-    full recomputation for every block) and the activations outside the blocks."""
+    """Measured bytes held per block and outside the blocks.
+
+    Full recomputation everywhere gives what a checkpointed block holds (its input, and tensors
+    like T5's position bias that later blocks read); then each group's first block in turn runs
+    without checkpointing while every other block is checkpointed. Measuring each plain block next
+    to checkpointed ones is the conservative case: a plain neighbour would save some of the same
+    tensors.
+    """
     from .runtime import apply_adacc
     from .runtime.memory import activation_memory_report
 
-    def policy(first_plain: bool) -> Policy:
+    adapter = get_adapter(base)
+
+    def policy(plain: str | None) -> Policy:
         gps = {}
         for g in groups:
             n = len(g.modules)
-            rec = Variant(n - 1 if first_plain else n, True, {})
-            variants = [Variant(1, False), rec] if first_plain else [rec]
+            if g.name == plain:
+                variants = [Variant(1, False), Variant(n - 1, True, {})]
+            else:
+                variants = [Variant(n, True, {})]
             gps[g.name] = GroupPolicy(ops=specs[g.name], variants=variants)
-        adapter = get_adapter(base)
         return Policy(
             base.config.model_type,
             adapter.name,
@@ -391,12 +406,13 @@ def _block_memory(base, batch, groups, specs) -> tuple[dict[str, int], _Held]:
             adapter_version=adapter.version,
         )
 
+    full = {}
     with train_mode(base), torch.random.fork_rng(devices=_devices(base)):
         kwargs = _model_kwargs(base, batch)
-        with apply_adacc(base, policy(True)):
-            plain = activation_memory_report(base, kwargs)
-        with apply_adacc(base, policy(False)):
+        with apply_adacc(base, policy(None)):
             rec = activation_memory_report(base, kwargs)
-    full = {g.name: plain.blocks[g.paths[0]] for g in groups}
+        for g in groups:
+            with apply_adacc(base, policy(g.name)):
+                full[g.name] = activation_memory_report(base, kwargs).blocks[g.paths[0]]
     mean = {g.name: round(sum(rec.blocks[p] for p in g.paths) / len(g.paths)) for g in groups}
     return full, _Held(mean, rec.other, rec.largest_other)

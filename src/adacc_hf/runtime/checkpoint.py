@@ -127,7 +127,7 @@ class BlockRuntime:
             if isinstance(t, torch.Tensor) and t.numel():
                 key = run.kept_storages.get(storage_id(t))
                 if key is not None:
-                    self.last_bytes[key] = 0
+                    self.last_bytes[key] -= t.untyped_storage().nbytes()
         return out
 
     # ---- forward-side helpers
