@@ -4,6 +4,8 @@ the budget grows; a budget that fits everything checkpoints nothing."""
 
 from __future__ import annotations
 
+import itertools
+
 from adacc_hf.solver.sweep import budget_sweep
 
 
@@ -14,6 +16,6 @@ def test_budget_sweep_memory_fits_and_matches_prediction(tiny):
         assert r.measured_nbytes <= r.share_nbytes, r
         assert abs(r.error) <= 0.05, r
     times = [r.added_ms for r in rows]
-    assert all(a >= b - 1e-9 for a, b in zip(times, times[1:], strict=False)), times
+    assert all(a >= b - 1e-9 for a, b in itertools.pairwise(times)), times
     assert rows[-1].checkpointed_blocks == 0 and rows[-1].added_ms == 0
     assert rows[0].checkpointed_blocks > 0
