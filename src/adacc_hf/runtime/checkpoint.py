@@ -26,6 +26,7 @@ from .ops import (
     RegionTracker,
     detach_for_cache,
     is_keyed,
+    is_mutable,
     is_random,
     mutated_args,
     storage_id,
@@ -202,7 +203,7 @@ class _KeepMode(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         run = self.run
-        if func._schema.is_mutable:
+        if is_mutable(func):
             if run.kept_storages:
                 for t in mutated_args(func, args, kwargs):
                     key = run.kept_storages.get(storage_id(t))
@@ -248,7 +249,7 @@ class _ReplayMode(TorchDispatchMode):
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func._schema.is_mutable and is_keyed(func):
+        if not is_mutable(func) and is_keyed(func):
             key, _, _ = self.keyer.key(func)
             entry = self.run.store.pop(key, None)
             if entry is not None:

@@ -7,6 +7,7 @@ without tensor outputs always run (they cost nothing to recompute, or cannot be 
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any
 
@@ -31,6 +32,7 @@ _IGNORED = {
 }
 
 
+@functools.cache
 def is_keyed(func: torch._ops.OpOverload) -> bool:
     """True when `func` creates new storage (not a view, not in-place, not ignored)."""
     if func in _IGNORED or func.is_view:
@@ -44,6 +46,12 @@ def is_keyed(func: torch._ops.OpOverload) -> bool:
     )
 
 
+@functools.cache
+def is_mutable(func: torch._ops.OpOverload) -> bool:
+    return func._schema.is_mutable
+
+
+@functools.cache
 def is_random(func: torch._ops.OpOverload) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
 

@@ -18,6 +18,7 @@ from .ops import (
     OpKeyer,
     RegionTracker,
     is_keyed,
+    is_mutable,
     is_random,
     mutated_args,
     storage_id,
@@ -75,10 +76,10 @@ class _Recorder(TorchDispatchMode):
             elapsed = None
         else:
             out, elapsed = self.timer(func, args, kwargs)
-        keyed = is_keyed(func) and not func._schema.is_mutable
+        keyed = is_keyed(func) and not is_mutable(func)
         if elapsed is not None and not keyed:
             self.other_ms.append(elapsed)
-        if func._schema.is_mutable:
+        if is_mutable(func):
             for t in mutated_args(func, args, kwargs):
                 idx = self.produced.get(storage_id(t))
                 if idx is not None:
