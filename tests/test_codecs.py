@@ -59,9 +59,9 @@ def _dtype_tol(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # -- registry / params -------------------------------------------------------------------
 
 
-def test_available_codecs_lists_all_five():
+def test_available_codecs_lists_all_six():
     assert available_codecs() == sorted(
-        ["int4_outlier", "int4_channel", "int4_asym", "bitpack", "int4_naive"]
+        ["int4_outlier", "int4_channel", "int4_asym", "bitpack", "int4_naive", "fp8_e4m3"]
     )
     for name in available_codecs():
         codec = get_codec(name)

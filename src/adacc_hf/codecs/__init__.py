@@ -2,13 +2,15 @@
 
 ``get_codec(name, **params)`` builds a :class:`Codec`; ``codec.encode(x)`` returns an
 :class:`Encoded` payload and ``codec.decode(enc)`` restores shape, dtype and device.
-Codecs: ``int4_outlier``, ``int4_channel``, ``int4_asym``, ``int4_naive`` (lossy INT4) and
-``bitpack`` (lossless dropout masks). Layouts are documented in :mod:`.base` and per codec.
+Codecs: ``int4_outlier``, ``int4_channel``, ``int4_asym``, ``int4_naive`` (lossy INT4),
+``fp8_e4m3`` (lossy FP8) and ``bitpack`` (lossless dropout masks). Layouts are documented in
+:mod:`.base` and per codec. On CUDA tensors the Triton kernels of the ``kernels`` package run
+instead of the torch code when triton is installed (:mod:`.dispatch`; ``ADACC_KERNELS``).
 """
 
 from __future__ import annotations
 
-from . import bitpack, int4_asym, int4_channel, int4_naive, int4_outlier  # noqa: F401 (register)
+from . import bitpack, fp8, int4_asym, int4_channel, int4_naive, int4_outlier  # noqa: F401 (register)
 from .base import (
     Codec,
     CodecError,
@@ -18,13 +20,18 @@ from .base import (
     pack_int4,
     unpack_int4,
 )
+from .dispatch import KernelError, kernel_mode, kernel_mode_override, set_kernel_mode
 
 __all__ = [
     "Codec",
     "CodecError",
     "Encoded",
+    "KernelError",
     "available_codecs",
     "get_codec",
+    "kernel_mode",
+    "kernel_mode_override",
     "pack_int4",
+    "set_kernel_mode",
     "unpack_int4",
 ]

@@ -223,7 +223,10 @@ def quantize_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     if padded != channels:
         x = torch.nn.functional.pad(x, (0, padded - channels))
     xg = x.reshape(rows, padded // group, group)
-    scale = xg.abs().amax(dim=-1) / 7
+    amax = xg.abs().amax(dim=-1)
+    # Divide by a tensor on the device: CUDA turns division by a Python scalar into a multiply
+    # by its float32 reciprocal (not the IEEE division the convention above requires).
+    scale = amax / amax.new_full((), 7.0)
     q = quantize_sym(xg, scale.unsqueeze(-1))
     return pack_int4(q), scale.contiguous()
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import dispatch
 from .base import FLOAT_DTYPES, Codec, CodecError, Encoded, register
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -42,6 +43,8 @@ class BitpackCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
+        if dispatch.use_kernel(x):
+            return dispatch.encode(self, x)
         if x.dtype == torch.bool:
             return Encoded(self.name, x.shape, x.dtype, {"bits": pack_bits(x)}, {})
         nz = x != 0
@@ -56,6 +59,8 @@ class BitpackCodec(Codec):
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         self._check_encoded(enc)
+        if dispatch.use_kernel(enc.device):
+            return dispatch.decode(self, enc)
         bits = unpack_bits(enc.tensors["bits"], enc.shape.numel()).reshape(enc.shape)
         if enc.dtype == torch.bool:
             return bits

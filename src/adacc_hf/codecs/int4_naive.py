@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from . import dispatch
 from .base import (
     Codec,
     Encoded,
@@ -40,11 +41,15 @@ class Int4NaiveCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
+        if dispatch.use_kernel(x):
+            return dispatch.encode(self, x)
         q, scale = quantize_groups(as_rows_f32(x), self.group_size)
         return Encoded(self.name, x.shape, x.dtype, {"q": q, "scale": scale}, {})
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         self._check_encoded(enc)
+        if dispatch.use_kernel(enc.device):
+            return dispatch.decode(self, enc)
         _, channels = rows_channels(enc.shape)
         x = dequantize_groups(enc.tensors["q"], enc.tensors["scale"], channels, self.group_size)
         return x.to(enc.dtype).reshape(enc.shape)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import dispatch
 from .base import (
     Codec,
     CodecError,
@@ -65,6 +66,8 @@ class Int4OutlierCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
+        if dispatch.use_kernel(x):
+            return dispatch.encode(self, x)
         rows, channels = rows_channels(x.shape)
         xf = as_rows_f32(x)
         idx = select_outlier_channels(xf, self.zscore_threshold)
@@ -78,6 +81,8 @@ class Int4OutlierCodec(Codec):
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         self._check_encoded(enc)
+        if dispatch.use_kernel(enc.device):
+            return dispatch.decode(self, enc)
         t = enc.tensors
         _, channels = rows_channels(enc.shape)
         x = dequantize_groups(t["q"], t["scale"], channels, self.group_size).to(enc.dtype)

@@ -1,0 +1,164 @@
+"""Shared Triton helpers (device functions) and host utilities of the codec kernels.
+
+Arithmetic follows ``adacc_hf.codecs.base`` bit for bit: float32 throughout, IEEE divisions
+(``tl.math.div_rn``, never the approximate ``/``), round half to even, no FMA contraction (every
+launch passes ``enable_fp_fusion=False``), one final rounding cast to the output dtype.
+
+Two portability details:
+
+* Rounding uses ``y + 1.5 * 2**23 - 1.5 * 2**23`` (exact round-half-even for ``|y| < 2**22``;
+  every quantiser here divides by a scale derived from the block's own maximum, so
+  ``|y| <= 16``). ``libdevice.rint`` would do on GPUs but is missing in the interpreter.
+* float32 -> bfloat16 is rounded to nearest even by hand (:func:`f32_to_bf16_bits`) and stored
+  through an int16 view: Triton's interpreter truncates that cast while GPUs round, so the
+  manual rounding makes both bit-identical to ``torch.Tensor.to(torch.bfloat16)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Whether the kernels of this process were defined for Triton's CPU interpreter.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Elements per program for the streaming kernels (registers, not shared memory).
+TILE = 4096
+# Widest segment (group / row) a program holds in registers; wider segments are processed in
+# chunks of this width with a second (cache-hot) read. Tests lower it to exercise that path.
+MAX_SEGMENT_WIDTH = 4096
+# Launch options shared by every kernel: no a*b+c -> fma contraction (decode is q*scale+offset).
+NO_FMA = {"enable_fp_fusion": False}
+
+
+# -- device helpers ----------------------------------------------------------------------
+# Reductions call the builtin tl.reduce / tl.associative_scan with the standard library's own
+# combine functions instead of tl.sum / tl.max / tl.cumsum: those wrappers are @triton.jit
+# functions, created in compiled mode if ``triton.language`` was imported before
+# TRITON_INTERPRET=1 was set (transformers imports torch._dynamo, which imports triton), and the
+# interpreter cannot call them. It recognises the combine functions themselves and reduces with
+# numpy, so only this package's modules need to be imported after the variable is set.
+
+
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+_SUM = getattr(tl.standard, "_sum_combine", _add_combine)
+_MAX = getattr(tl.standard, "_elementwise_max", _max_combine)
+_MIN = getattr(tl.standard, "_elementwise_min", _min_combine)
+
+
+@triton.jit
+def rsum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _SUM)
+
+
+@triton.jit
+def rmax(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _MAX)
+
+
+@triton.jit
+def rmin(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _MIN)
+
+
+@triton.jit
+def cumsum(x, axis: tl.constexpr):
+    return tl.associative_scan(x, axis, _SUM)
+
+
+@triton.jit
+def round_half_even(y):
+    """``torch.round`` for float32 ``|y| < 2**22`` (adding 1.5 * 2**23 drops the fraction)."""
+    return y + 12582912.0 - 12582912.0
+
+
+@triton.jit
+def quantize_sym(v, scale):
+    """int32 codes ``clamp(round_half_even(v / scale), -8, 7)``; 0 where ``scale == 0``."""
+    zero = scale == 0.0
+    q = round_half_even(tl.math.div_rn(v, tl.where(zero, 1.0, scale)))
+    q = tl.where(zero, 0.0, q)
+    return tl.minimum(tl.maximum(q, -8.0), 7.0).to(tl.int32)
+
+
+@triton.jit
+def pack_nibbles(q_even, q_odd):
+    """Codes of elements 2i (low nibble) and 2i+1 (high nibble) as ``q + 8`` -> uint8."""
+    return ((q_even + 8) | ((q_odd + 8) << 4)).to(tl.uint8)
+
+
+@triton.jit
+def f32_to_bf16_bits(y):
+    """float32 -> bfloat16 bit pattern (int16), round to nearest even (finite inputs)."""
+    u = y.to(tl.uint32, bitcast=True)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).to(tl.int16)
+
+
+@triton.jit
+def cast_out(y, out_ptr, OUT_BF16: tl.constexpr):
+    """float32 ``y`` as the element type of ``out_ptr`` (bf16 outputs are int16 views)."""
+    if OUT_BF16:
+        return f32_to_bf16_bits(y)
+    else:
+        return y.to(out_ptr.dtype.element_ty)
+
+
+# -- host helpers ------------------------------------------------------------------------
+
+
+def pow2(n: int) -> int:
+    """Smallest power of two >= max(n, 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_warps(tile: int) -> int:
+    return 8 if tile >= 4096 else 4
+
+
+def store_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a kernel stores float results into (bf16 through its int16 bits)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """Same-width integer view (raw bit patterns) of a float or bool tensor."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
+
+
+def group_layout(channels: int, group_size: int) -> tuple[int, int]:
+    """(group, padded_channels), as ``adacc_hf.codecs.base.group_layout``."""
+    group = group_size or channels
+    return group, cdiv(channels, group) * group
+
+
+def check_rows_input(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, channels) of a 2-D contiguous float input."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"kernels expect a contiguous [rows, channels] tensor, got {x.shape}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"kernels support float32/float16/bfloat16, got {x.dtype}")
+    return x.shape[0], x.shape[1]

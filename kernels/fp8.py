@@ -1,0 +1,149 @@
+"""``fp8_e4m3`` kernels: FP8 (e4m3fn) with one float32 scale per block of 128 channels.
+
+Encode: one fused pass; each program loads a [rows, 128] tile, ``scale = absmax / 448``,
+``y = clamp(x / scale, -448, 448)`` rounded to e4m3fn (nearest even, subnormals included) and
+writes the codes and scales. Decode: one pass, ``code -> float32`` (exact) ``* scale``, one
+cast. The e4m3 conversions are done with integer bit arithmetic (the same rules as
+``torch.Tensor.to(torch.float8_e4m3fn)`` for in-range values), so the kernels need no FP8
+hardware: they are bit-identical to the torch reference on any GPU and in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+from ._common import (
+    NO_FMA,
+    cast_out,
+    cdiv,
+    check_rows_input,
+    num_warps,
+    pow2,
+    rmax,
+    round_half_even,
+)
+from ._common import store_view as _store_view
+from ._triton import check_launchable
+
+BLOCK = 128
+FP8_MAX = 448.0
+
+
+@triton.jit
+def f32_to_e4m3_bits(y):
+    """float32 ``|y| <= 448`` -> e4m3fn byte, round to nearest even (torch's conversion)."""
+    u = y.to(tl.uint32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    # |y| < 2**-6: subnormal codes m * 2**-9 (m = 8 is the smallest normal, code 0x08).
+    sub = round_half_even(a.to(tl.float32, bitcast=True) * 512.0).to(tl.uint32)
+    # normal: round the mantissa to 3 bits (carry may bump the exponent), rebias 127 -> 7.
+    nrm = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    code = tl.where(a < (121 << 23), sub, nrm)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_bits_to_f32(c):
+    """e4m3fn byte (as int32) -> float32, exact."""
+    e = (c >> 3) & 15
+    m = c & 7
+    sub = m.to(tl.float32) * 0.001953125
+    nrm = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, sub, nrm)
+    return tl.where((c & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _fp8_encode_kernel(
+    x_ptr, q_ptr, scale_ptr, R, C, NB, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < R
+    m = rmask[:, None] & (cols < C)[None, :]
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(rmax(tl.abs(x), 1), 448.0)
+    tl.store(scale_ptr + rows.to(tl.int64) * NB + tl.program_id(1), scale, mask=rmask)
+    zero = (scale == 0.0)[:, None]
+    y = tl.math.div_rn(x, tl.where(zero, 1.0, scale[:, None]))
+    y = tl.where(zero, 0.0, y)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    tl.store(q_ptr + offs, f32_to_e4m3_bits(y), mask=m)
+
+
+@triton.jit
+def _fp8_decode_kernel(
+    q_ptr,
+    scale_ptr,
+    out_ptr,
+    R,
+    C,
+    NB,
+    OUT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < R
+    m = rmask[:, None] & (cols < C)[None, :]
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    code = tl.load(q_ptr + offs, mask=m, other=0).to(tl.int32)
+    scale = tl.load(scale_ptr + rows.to(tl.int64) * NB + tl.program_id(1), mask=rmask, other=0.0)
+    y = e4m3_bits_to_f32(code) * scale[:, None]
+    tl.store(out_ptr + offs, cast_out(y, out_ptr, OUT_BF16), mask=m)
+
+
+def _block_r(rows: int) -> int:
+    return max(1, min(_common.TILE // BLOCK, pow2(rows)))
+
+
+def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (q float8_e4m3fn [R, C], scale float32 [R, ceil(C / 128)])."""
+    rows, channels = check_rows_input(x)
+    check_launchable(x.device)
+    nb = cdiv(channels, BLOCK)
+    q = torch.empty(rows, channels, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, nb, dtype=torch.float32, device=x.device)
+    block_r = _block_r(rows)
+    _fp8_encode_kernel[(cdiv(rows, block_r), nb)](
+        x,
+        q.view(torch.uint8),
+        scale,
+        rows,
+        channels,
+        nb,
+        BLOCK_R=block_r,
+        BLOCK_C=BLOCK,
+        num_warps=num_warps(block_r * BLOCK),
+        **NO_FMA,
+    )
+    return q, scale
+
+
+def decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`encode`: [R, C] of ``dtype``."""
+    check_launchable(q.device)
+    rows, channels = q.shape
+    nb = scale.shape[1]
+    out = torch.empty(rows, channels, dtype=dtype, device=q.device)
+    block_r = _block_r(rows)
+    _fp8_decode_kernel[(cdiv(rows, block_r), nb)](
+        q.view(torch.uint8),
+        scale,
+        _store_view(out),
+        rows,
+        channels,
+        nb,
+        OUT_BF16=dtype == torch.bfloat16,
+        BLOCK_R=block_r,
+        BLOCK_C=BLOCK,
+        num_warps=num_warps(block_r * BLOCK),
+        **NO_FMA,
+    )
+    return out

@@ -1,0 +1,58 @@
+"""``int4_channel`` kernels: channel-wise symmetric INT4 (Q / K / V).
+
+The per-channel scale ``max_rows |x| / 8`` needs every row before any element can be quantised,
+so encode reads ``x`` twice: (1) per-row-block column maxima (many programs), (2) a tiny
+finalise kernel reduces them (max is exact in any order) into the scale, (3) quantise + pack
+(2-D tiles, or the flat quantiser for odd channel counts). Decode: one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import NO_FMA, cdiv, check_rows_input, pow2
+from ._triton import check_launchable
+from .int4 import SCALE_CHANNEL, launch_colpartial, launch_dequant, launch_quant
+
+
+@triton.jit
+def _colmax_scale_kernel(part_ptr, scale_ptr, nrb, C, BLOCK_C: tl.constexpr):
+    """scale[c] = max over the row blocks of part[:, c], divided by 8."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = cols < C
+    acc = tl.full([BLOCK_C], 0, dtype=tl.float32)
+    for rb in range(nrb):
+        acc = tl.maximum(acc, tl.load(part_ptr + rb * C + cols, mask=m, other=0.0))
+    tl.store(scale_ptr + cols, tl.math.div_rn(acc, 8.0), mask=m)
+
+
+def channel_scale(x: torch.Tensor) -> torch.Tensor:
+    """float32 [C] scales of x [R, C] (passes 1 and 2)."""
+    _, channels = x.shape
+    col_blocks = cdiv(channels, min(pow2(channels), 128))
+    part = launch_colpartial(x, reduce_sum=False, target_blocks=max(16, cdiv(1024, col_blocks)))
+    scale = torch.empty(channels, dtype=torch.float32, device=x.device)
+    block_c = min(pow2(channels), 1024)
+    _colmax_scale_kernel[(cdiv(channels, block_c),)](
+        part, scale, part.shape[0], channels, BLOCK_C=block_c, **NO_FMA
+    )
+    return scale
+
+
+def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (q uint8 [ceil(R * C / 2)], scale float32 [C])."""
+    rows, channels = check_rows_input(x)
+    check_launchable(x.device)
+    scale = channel_scale(x)
+    q = torch.empty((rows * channels + 1) // 2, dtype=torch.uint8, device=x.device)
+    launch_quant(x, q, scale, mode=SCALE_CHANNEL, cp=channels)
+    return q, scale
+
+
+def decode(
+    q: torch.Tensor, scale: torch.Tensor, rows: int, channels: int, dtype: torch.dtype
+) -> torch.Tensor:
+    check_launchable(q.device)
+    return launch_dequant(q, scale, rows, channels, dtype, mode=SCALE_CHANNEL, cp=channels)

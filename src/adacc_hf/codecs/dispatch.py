@@ -1,0 +1,275 @@
+"""Kernel or reference: which implementation encodes / decodes a tensor.
+
+Every codec's ``encode`` / ``decode`` first asks :func:`use_kernel`; when it says yes the call
+goes to the Triton kernels (package ``kernels``, registered as ``torch.ops.adacc.*`` custom ops),
+otherwise the codec's torch reference runs. Both produce the same payload layout (bit for bit
+where documented in ``kernels``), so payloads decode on either path.
+
+Mode (:func:`kernel_mode`): :func:`set_kernel_mode` / :func:`kernel_mode_override` if set, else the
+``ADACC_KERNELS`` environment variable, else ``"auto"``:
+
+* ``"auto"``: kernels for CUDA tensors (compute capability >= 8.0) when triton imports; the
+  reference otherwise.
+* ``"triton"``: always kernels. CUDA tensors need triton; CPU tensors need Triton's interpreter
+  (``TRITON_INTERPRET=1`` set before the first kernel use) -- anything else raises
+  :class:`KernelError` saying what to change.
+* ``"torch"``: always the reference.
+
+What runs where on the kernel path: quantisation, packing, statistics (absmax / min-max /
+column sums), the ``int4_outlier`` channel selection (z-scores of the column sums), outlier
+gather and scatter, bit packing and FP8 conversion run in Triton. Still in torch: allocating
+outputs, reshaping to [rows, channels] (a copy only for non-contiguous inputs), the
+few-element reductions that turn a float dropout mask's per-program statistics into its scale,
+and the host checks that need a sync (the outlier count, bitpack mask validation). The one
+result that can differ from the reference: the selection sums columns in another order than
+``torch.sum``, so a channel within float32 rounding of the z-score threshold may be classified
+differently (given the same channels, payloads are bit-identical).
+
+Eager calls go straight to the launch functions; under ``torch.compile`` (or for tensor
+subclasses such as fake tensors) the ``torch.ops.adacc.*`` custom ops are called instead.
+Importing this module imports neither ``kernels`` nor triton; both load on first kernel use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import AdaccError
+from .base import Encoded, rows_channels
+
+if TYPE_CHECKING:
+    from .base import Codec
+
+__all__ = [
+    "ENV_VAR",
+    "MODES",
+    "KernelError",
+    "decode",
+    "encode",
+    "has_kernel",
+    "kernel_mode",
+    "kernel_mode_override",
+    "kernels_available",
+    "set_kernel_mode",
+    "use_kernel",
+]
+
+ENV_VAR = "ADACC_KERNELS"
+MODES = ("auto", "triton", "torch")
+_override: str | None = None
+
+
+class KernelError(AdaccError):
+    """Kernels were forced (``"triton"`` mode) where they cannot run, or a mode is unknown."""
+
+
+def _check_mode(mode: str, where: str) -> str:
+    if mode not in MODES:
+        raise KernelError(f"{where}: kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def kernel_mode() -> str:
+    """The active mode: the programmatic override, else ``$ADACC_KERNELS``, else ``"auto"``."""
+    if _override is not None:
+        return _override
+    env = os.environ.get(ENV_VAR, "").strip().lower()
+    return _check_mode(env, f"${ENV_VAR}") if env else "auto"
+
+
+def set_kernel_mode(mode: str | None) -> None:
+    """Force ``"auto"``, ``"triton"`` or ``"torch"`` for this process; ``None`` clears it."""
+    global _override
+    _override = None if mode is None else _check_mode(mode, "set_kernel_mode")
+
+
+@contextlib.contextmanager
+def kernel_mode_override(mode: str | None) -> Iterator[None]:
+    """``with kernel_mode_override("torch"): ...`` -- the previous setting is restored."""
+    global _override
+    previous = _override
+    set_kernel_mode(mode)
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def kernels_available() -> bool:
+    """Whether the ``kernels`` package and triton import (never initialises CUDA)."""
+    try:
+        from adacc_kernels._triton import triton_available
+    except ImportError:
+        return False
+    return triton_available()
+
+
+@functools.cache
+def _supported_gpu(device: torch.device) -> bool:
+    """Ampere or newer: the kernels are compiled and checked for sm_80 / sm_90. Older GPUs run
+    the reference in "auto" mode (force "triton" to try the kernels there)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def use_kernel(x: torch.Tensor | torch.device) -> bool:
+    """Whether to run the Triton kernel for a tensor (or payload) on this device."""
+    mode = kernel_mode()
+    if mode == "torch":
+        return False
+    device = x if isinstance(x, torch.device) else x.device
+    if mode == "auto":
+        return device.type == "cuda" and kernels_available() and _supported_gpu(device)
+    try:
+        from adacc_kernels._triton import KernelUnavailableError, check_launchable
+    except ImportError as err:
+        raise KernelError(
+            f"kernel mode 'triton' but the kernels package is missing: {err}"
+        ) from err
+    try:
+        check_launchable(device)
+    except KernelUnavailableError as err:
+        raise KernelError(f"kernel mode 'triton': {err}") from err
+    return True
+
+
+# -- codec glue: Encoded <-> custom ops ---------------------------------------------------
+
+
+def _call(op: str, like: torch.Tensor, *args: Any) -> Any:
+    """Run kernel op ``op``: through ``torch.ops.adacc`` when tracing / compiling (or for tensor
+    subclasses such as fake tensors), else the plain launch function (no dispatcher overhead)."""
+    from adacc_kernels import ops  # registers torch.ops.adacc.* on first import
+
+    if type(like) is torch.Tensor and not torch.compiler.is_compiling():
+        return ops.DIRECT[op](*args)
+    return getattr(torch.ops.adacc, op)(*args)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows, channels = rows_channels(x.shape)
+    return x.detach().reshape(rows, channels).contiguous()
+
+
+def _enc_int4_naive(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
+    q, scale = _call("int4_naive_encode", x, _rows(x), codec.group_size)
+    return {"q": q, "scale": scale}, {}
+
+
+def _dec_int4_naive(codec: Any, enc: Encoded) -> torch.Tensor:
+    t = enc.tensors
+    rows, channels = rows_channels(enc.shape)
+    return _call(
+        "int4_naive_decode", t["q"], t["q"], t["scale"], rows, channels, codec.group_size, enc.dtype
+    )
+
+
+def _enc_int4_outlier(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
+    q, scale, values, idx = _call(
+        "int4_outlier_encode", x, _rows(x), codec.group_size, codec.zscore_threshold
+    )
+    tensors = {"q": q, "scale": scale, "outlier_values": values, "outlier_idx": idx}
+    return tensors, {"n_outliers": int(idx.numel())}
+
+
+def _dec_int4_outlier(codec: Any, enc: Encoded) -> torch.Tensor:
+    t = enc.tensors
+    rows, channels = rows_channels(enc.shape)
+    return _call(
+        "int4_outlier_decode",
+        t["q"],
+        t["q"],
+        t["scale"],
+        t["outlier_values"],
+        t["outlier_idx"],
+        rows,
+        channels,
+        codec.group_size,
+        enc.dtype,
+    )
+
+
+def _enc_int4_channel(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
+    q, scale = _call("int4_channel_encode", x, _rows(x))
+    return {"q": q, "scale": scale}, {}
+
+
+def _dec_int4_channel(codec: Any, enc: Encoded) -> torch.Tensor:
+    rows, channels = rows_channels(enc.shape)
+    t = enc.tensors
+    return _call("int4_channel_decode", t["q"], t["q"], t["scale"], rows, channels, enc.dtype)
+
+
+def _enc_int4_asym(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
+    q, scale, offset = _call("int4_asym_encode", x, _rows(x))
+    return {"q": q, "scale": scale, "offset": offset}, {}
+
+
+def _dec_int4_asym(codec: Any, enc: Encoded) -> torch.Tensor:
+    rows, channels = rows_channels(enc.shape)
+    t = enc.tensors
+    return _call(
+        "int4_asym_decode", t["q"], t["q"], t["scale"], t["offset"], rows, channels, enc.dtype
+    )
+
+
+def _enc_bitpack(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
+    from .base import CodecError
+
+    bits, scale, flags = _call("bitpack_encode", x, x.detach().reshape(-1).contiguous())
+    if x.dtype == torch.bool:
+        return {"bits": bits}, {}
+    distinct, neg_zero = flags.tolist()
+    if distinct:
+        raise CodecError("bitpack needs a 0-or-scale mask (found >1 distinct nonzero value)")
+    if neg_zero:
+        raise CodecError("bitpack needs a 0-or-scale mask (found -0.0)")
+    return {"bits": bits, "scale": scale}, {}
+
+
+def _dec_bitpack(codec: Any, enc: Encoded) -> torch.Tensor:
+    bits = enc.tensors["bits"]
+    scale = enc.tensors.get("scale", bits)  # bool masks have no scale; any tensor will do
+    return _call("bitpack_decode", bits, bits, scale, enc.shape.numel(), enc.dtype)
+
+
+def _enc_fp8(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
+    q, scale = _call("fp8_e4m3_encode", x, _rows(x))
+    return {"q": q, "scale": scale}, {}
+
+
+def _dec_fp8(codec: Any, enc: Encoded) -> torch.Tensor:
+    return _call(
+        "fp8_e4m3_decode", enc.tensors["q"], enc.tensors["q"], enc.tensors["scale"], enc.dtype
+    )
+
+
+_GLUE: dict[str, tuple[Callable[..., tuple[dict, dict]], Callable[..., torch.Tensor]]] = {
+    "int4_naive": (_enc_int4_naive, _dec_int4_naive),
+    "int4_outlier": (_enc_int4_outlier, _dec_int4_outlier),
+    "int4_channel": (_enc_int4_channel, _dec_int4_channel),
+    "int4_asym": (_enc_int4_asym, _dec_int4_asym),
+    "bitpack": (_enc_bitpack, _dec_bitpack),
+    "fp8_e4m3": (_enc_fp8, _dec_fp8),
+}
+
+
+def has_kernel(codec_name: str) -> bool:
+    return codec_name in _GLUE
+
+
+def encode(codec: Codec, x: torch.Tensor) -> Encoded:
+    """Kernel-path ``codec.encode(x)`` (input already validated by the codec)."""
+    tensors, meta = _GLUE[codec.name][0](codec, x)
+    return Encoded(codec.name, x.shape, x.dtype, tensors, meta)
+
+
+def decode(codec: Codec, enc: Encoded) -> torch.Tensor:
+    """Kernel-path ``codec.decode(enc)``: a tensor of ``enc.shape`` / ``enc.dtype``."""
+    return _GLUE[codec.name][1](codec, enc).reshape(enc.shape)
