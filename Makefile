@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # On a machine without CUDA, pin the local CPU build of torch so pip never pulls CUDA wheels.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo memory-demo test test-all lint format clean
+.PHONY: setup demo memory-demo test test-all bench-codecs plan-sweep lint format clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,14 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q
+
+# Codec kernel bandwidth (GPU); on CPU a small interpreter smoke run.
+bench-codecs: setup
+	$(PY) benchmarks/bench_codecs.py $(if $(HAS_CUDA),,--smoke)
+
+# Budget sweep: predicted vs measured activation memory on the tiny family configs.
+plan-sweep: setup
+	$(PY) benchmarks/plan_sweep.py --out benchmarks/results/plan-sweep-cpu.json
 
 lint: setup
 	$(VENV)/bin/ruff check .
