@@ -171,6 +171,25 @@ def min_budget(profile: Profile, static_nbytes: int = 0) -> int:
     return static_nbytes + held + transient
 
 
+#: Share of the activation budget (budget - static) left free by default: int4_outlier sizes vary
+#: from block to block and batch to batch (the profile measures one block), and padding masks add
+#: ops the profiled batch may not have.
+HEADROOM = 0.03
+
+
+def planned_budget(
+    budget_nbytes: int, static_nbytes: int, profile: Profile, headroom: float = HEADROOM
+) -> int:
+    """The budget to solve for: `headroom` of the activation share kept free, unless the whole
+    budget fits no checkpointing at all (nothing data-dependent then) or only the whole fits."""
+    no_checkpoint = static_nbytes + profile.no_checkpoint_nbytes() + _nonblock_transient(profile)
+    if budget_nbytes >= no_checkpoint:
+        return budget_nbytes
+    share = budget_nbytes - static_nbytes
+    planned = budget_nbytes - int(max(0, share) * headroom)
+    return budget_nbytes if planned < min_budget(profile, static_nbytes) else planned
+
+
 def _nonblock_transient(profile: Profile) -> int:
     """Backward temporary outside the blocks (e.g. the logits' gradient), if profiled."""
     return int(getattr(profile, "nonblock_transient_nbytes", 0) or 0)

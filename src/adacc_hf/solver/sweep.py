@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from .milp import min_budget, solve
+from .milp import HEADROOM, min_budget, planned_budget, solve
 from .static import estimate_static_memory
 
 
@@ -39,8 +39,10 @@ def budget_sweep(
     *,
     optimizer: str = "adamw_torch",
     repeats: int = 3,
+    headroom: float = HEADROOM,
 ) -> list[SweepRow]:
-    """Budgets from the smallest feasible one to the no-checkpointing need, `points` steps."""
+    """Budgets from the smallest feasible one to the no-checkpointing need, `points` steps; each
+    solved with the same `headroom` the Trainer integration keeps."""
     from ..profiler import profile_model
     from ..runtime import apply_adacc
     from ..runtime.memory import activation_memory_report
@@ -52,7 +54,9 @@ def budget_sweep(
     rows = []
     for i in range(points + 1):
         budget = int(low + (high - low) * i / points)
-        sol = solve(profile, budget, static_nbytes=static)
+        sol = solve(
+            profile, planned_budget(budget, static, profile, headroom), static_nbytes=static
+        )
         with apply_adacc(model, sol.policy):
             measured = activation_memory_report(model, batch).total
         kinds: dict[str, int] = {}
