@@ -55,7 +55,7 @@ def step_ms(model, batch, policy: Policy, repeats: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-5)
@@ -68,7 +68,7 @@ def main() -> None:
         "fraction of what no-checkpointing needs on top of that",
     )
     p.add_argument("--output-dir", default="outputs/finetune_smollm2")
-    p.add_argument("--timing-repeats", type=int, default=3)
+    p.add_argument("--timing-repeats", type=int, default=2)
     args = p.parse_args()
     torch.manual_seed(0)
 
