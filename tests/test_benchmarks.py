@@ -1,0 +1,144 @@
+"""The benchmark suites: a tiny run of each writes complete results, and every strategy leaves the
+model exactly as it found it."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from adacc_hf import assets, estimate_static_memory  # noqa: E402
+from adacc_hf.solver.milp import min_budget  # noqa: E402
+from benchmarks import strategies as S  # noqa: E402
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_tiny_cpu_suite_writes_throughput_memory_and_max_batch(tmp_path):
+    from benchmarks import bench_throughput
+
+    out = tmp_path / "throughput.json"
+    argv = ["--preset", "tiny", "--strategies", "none", "hf_full", "naive_int4", "adacc"]
+    argv += ["--rounds", "1", "--steps", "1", "--profile-repeats", "1"]
+    argv += ["--results", str(tmp_path), "--tag", "test", "--out", str(out)]
+    assert bench_throughput.main(argv) == 0
+    data = json.loads(out.read_text())
+    res = data["models"]["gpt2-tiny"]
+    assert res["min_budget_nbytes"] < res["budget_nbytes"] < res["no_checkpoint_need_nbytes"]
+    assert _finite(res["solve_ms_median"]) and _finite(res["profile_s"])
+    assert [row["batch_size"] for row in res["sweep"]] == [1, 2]
+    for row in res["sweep"]:
+        for name, r in row["strategies"].items():
+            assert _finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, name
+            assert _finite(r["ratio_vs_hf_full"]), name
+            assert r["held_nbytes"] > 0 and r["peak_nbytes"] > res["static_nbytes"], name
+            assert isinstance(r["fits"], bool)
+        assert row["strategies"]["hf_full"]["ratio_vs_hf_full"] == 1.0
+    # full recomputation holds less than no checkpointing, and fits at least as large a batch
+    main = next(r for r in res["sweep"] if r["batch_size"] == res["main_batch"])["strategies"]
+    assert main["hf_full"]["held_nbytes"] < main["none"]["held_nbytes"]
+    mb = res["max_batch"]
+    assert set(mb) == {"none", "hf_full", "naive_int4", "adacc"}
+    assert mb["hf_full"]["peak"] >= mb["none"]["peak"]
+    assert _finite(res["ample"]["strategies"]["adacc"]["ratio_vs_none"])
+    for png in [*data["plots"], res["policy_png"]]:
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_tiny_accuracy_suite_compares_eval_loss_to_baseline(tmp_path):
+    pytest.importorskip("matplotlib")
+    try:
+        assets.shakespeare_text(max_chars=10)
+    except assets.AssetNotFoundError as e:
+        pytest.skip(str(e))
+    from benchmarks import accuracy
+
+    out = tmp_path / "accuracy.json"
+    argv = ["--suite", "scratch", "--scratch-steps", "3", "--scratch-batch-size", "2"]
+    argv += ["--seq-len", "32", "--n-eval", "4", "--scratch-width", "32", "--scratch-layers", "2"]
+    argv += ["--scratch-eval-every", "2", "--profile-repeats", "1"]
+    argv += ["--strategies", "none", "naive_int4", "adacc", "adacc_all"]
+    argv += ["--results", str(tmp_path), "--tag", "test", "--out", str(out)]
+    assert accuracy.main(argv) == 0
+    res = json.loads(out.read_text())["suites"]["scratch"]
+    assert set(res["runs"]) == {"none", "naive_int4", "adacc", "adacc_all"}
+    for name, r in res["runs"].items():
+        assert len(r["train_loss"]) == 3 and r["finite"], name
+        assert [s for s, _ in r["eval_loss"]] == [0, 2, 3], name
+        assert _finite(r["final_eval_vs_baseline_pct"]), name
+    assert res["runs"]["none"]["final_eval_vs_baseline_pct"] == 0.0
+    assert res["runs"]["adacc_all"]["compressed_nbytes"] > 0
+    assert (tmp_path / res["plot"]).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_every_strategy_leaves_the_model_unpatched_and_its_gradients_unchanged(family):
+    model = assets.tiny_model(family)
+    batch = assets.tiny_batch(family, model, batch_size=2, seq_len=16)
+    static = estimate_static_memory(model).total
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        model(**batch).loss.backward()
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    before_state, before_grads = S.patch_state(model), grads()
+    profiles = S.profile_for(model, batch, repeats=1)
+    lo = min_budget(profiles.adacc, static)
+    hi = static + profiles.adacc.no_checkpoint_nbytes() + profiles.adacc.nonblock_transient_nbytes
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    names = list(S.ALL_STRATEGIES)
+    built = S.build(
+        names, model, batch, budget_nbytes=(lo + hi) // 2, static_nbytes=static, profiles=profiles
+    )
+    for name, strategy in built.items():
+        for _ in range(2):  # strategies are entered repeatedly when interleaved
+            with strategy:
+                S.train_step(model, batch, opt, strategy)
+            assert S.patch_state(model) == before_state, name
+    after = grads()
+    assert after.keys() == before_grads.keys()
+    for k in after:
+        assert torch.equal(after[k], before_grads[k]), k
+
+
+def test_leaving_a_strategy_detects_a_patch_left_behind():
+    model = assets.tiny_model("gpt2")
+    batch = assets.tiny_batch("gpt2", model)
+    s = S.Strategy("hf_full", model, batch)
+    with pytest.raises(S.PatchLeftError), s:
+        model.transformer.h[0].register_forward_hook(lambda *a: None)
+
+
+def test_gpu_suite_parts_parse_and_stay_within_their_time_limit():
+    from benchmarks import accuracy, bench_throughput, gpu_suite
+
+    for part, (_, module, _) in gpu_suite.PARTS.items():
+        if not module:
+            continue
+        mod, argv = gpu_suite.part_argv(part, smoke=False, results="/tmp/r", tag="h100")
+        parser = bench_throughput if mod == "bench_throughput" else accuracy
+        args = parser.parse_args([*argv, "--device", "cuda"])
+        assert args.time_limit == gpu_suite.PART_LIMIT_S < 600
+        assert args.out.endswith("-h100.json")
+        if mod == "bench_throughput":
+            assert args.preset == "gpu" and len(args.models) == 1
