@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # On a machine without CUDA, pin the local CPU build of torch so pip never pulls CUDA wheels.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo memory-demo test test-all bench-codecs plan-sweep lint format clean
+.PHONY: setup demo memory-demo test test-all test-dist bench-codecs plan-sweep lint format clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q
+
+# Adacc on 2 CPU processes over gloo: DDP, FSDP2, DeepSpeed ZeRO-2/3 (first run compiles DeepSpeed's ops)
+test-dist: setup
+	$(PY) -m pytest -q tests/test_distributed.py
 
 # Codec kernel bandwidth (GPU); on CPU a small interpreter smoke run.
 bench-codecs: setup

@@ -122,11 +122,14 @@ class Adapter:
     version: int = 1
 
     def find_blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """All transformer blocks of `model`, in forward order, with their module paths."""
+        """All transformer blocks of `model`, in forward order, with their module paths.
+
+        Classes match through their bases too: FSDP2's `fully_shard` swaps a block's class for a
+        subclass (`FSDPLlamaDecoderLayer`)."""
         blocks = [
             (name, mod)
             for name, mod in model.named_modules()
-            if type(mod).__name__ in self.block_classes
+            if any(c.__name__ in self.block_classes for c in type(mod).__mro__)
         ]
         return blocks
 

@@ -7,6 +7,7 @@ model's first training forward, which then profiles on that very batch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,7 @@ from ..evolution import OutlierTracker, TrackingSchedule
 from ..policy import Policy
 from ..profiler import Profile, profile_model
 from ..runtime import AdaccHandle, apply_adacc
+from ..runtime.sharded import forwards_without_backward
 
 logger = logging.getLogger("adacc_hf")
 
@@ -45,6 +47,7 @@ class AdaccConfig:
     fsdp: bool = False
     world_size: int = 1
     offload_optimizer: bool = False
+    master_weights: bool = False  # fp32 copies of 16-bit parameters (DeepSpeed mixed precision)
     profile_repeats: int = 3
     # Fraction of the activation share of the budget (budget - static) the solver leaves free for
     # batch-to-batch variation (padding masks change the op sequence) and fragmentation.
@@ -102,8 +105,12 @@ class AdaccSession:
         self._hook: Any = None
         self._tracker: OutlierTracker | None = None
         self.step = 0
-        #: Where other ranks get the policy from (distributed runs set it; see accelerate_utils).
+        # Distributed runs (`integrations.distributed.attach`): every rank profiles and tracks in
+        # lockstep; only the leader solves and decides, `broadcast` hands its policy to every rank
+        # (called with None elsewhere), and `gather` merges every rank's tracking samples.
         self.broadcast: Callable[[Policy | None], Policy] | None = None
+        self.gather: Callable[[OutlierTracker], OutlierTracker] | None = None
+        self.leader = True
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -122,6 +129,7 @@ class AdaccSession:
             fsdp=c.fsdp,
             world_size=c.world_size,
             offload_optimizer=c.offload_optimizer,
+            master_weights=c.master_weights,
         )
         return est.total
 
@@ -154,24 +162,38 @@ class AdaccSession:
         policy.metadata["headroom"] = c.headroom
         return policy
 
+    def _shared(self, decide: Callable[[], Policy]) -> Policy:
+        """`decide()` on the leader, its result on every rank. A leader that fails still releases
+        the other ranks (they raise instead of waiting for a policy that never comes)."""
+        if self.broadcast is None:
+            return decide()
+        try:
+            policy = decide() if self.leader else None
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.broadcast(None)
+            raise
+        return self.broadcast(policy)
+
     def setup(self, batch: Mapping[str, Any]) -> Policy:
         """Profile on `batch` (unless a policy was given), solve, and patch the model."""
         if self.policy is None:
             if self.profile is None:
-                self.profile = profile_model(
-                    self.model,
-                    batch,
-                    codecs=self.config.codecs,
-                    codec_params=self.config.codec_params(),
-                    repeats=self.config.profile_repeats,
-                )
-            policy = self.solve(self.profile)
-            if self.broadcast is not None:
-                policy = self.broadcast(policy)
+                # On every rank: under ZeRO-3 / FSDP these forwards all-gather parameters. Inside
+                # a training forward (`attach`), FSDP2's state is left to that step's backward.
+                with forwards_without_backward(self.model):
+                    self.profile = profile_model(
+                        self.model,
+                        batch,
+                        codecs=self.config.codecs,
+                        codec_params=self.config.codec_params(),
+                        repeats=self.config.profile_repeats,
+                    )
+            profile = self.profile
+            policy = self._shared(lambda: self.solve(profile))
         else:
-            policy = self.policy
-            if self.broadcast is not None:
-                policy = self.broadcast(policy)
+            given = self.policy
+            policy = self._shared(lambda: given)
         self.apply(policy)
         self.events.append(
             AdaccEvent(self.step, "policy", policy, _describe(policy), _metrics(policy))
@@ -230,13 +252,16 @@ class AdaccSession:
         if tracker is None or not self.active:
             return None
         self.handle.set_tracker(None)
+        if self.gather is not None:
+            tracker = self.gather(tracker)
         new_profile, changes = tracker.apply(self.profile)
         self.profile = new_profile
-        new_policy = self.solve(new_profile)
-        if not self._should_switch(new_profile, new_policy):
-            new_policy = self.policy
-        if self.broadcast is not None:
-            new_policy = self.broadcast(new_policy)
+
+        def decide() -> Policy:
+            new = self.solve(new_profile)
+            return new if self._should_switch(new_profile, new) else self.policy
+
+        new_policy = self._shared(decide)
         changed = new_policy.fingerprint() != self.policy.fingerprint()
         self.schedule.advance(step, changed)
         if not changed:
@@ -349,16 +374,24 @@ def prepare(
     With `sample_batch` this happens now; without, on the model's first training forward. A saved
     `policy` (object or JSON path) skips profiling. With ``adaptive=True`` call
     ``session.step_done(step)`` after each optimizer step. Undo with ``session.close()``.
+
+    In a process group of several ranks, call it on every rank: all profile, rank 0 solves, and
+    every rank runs (and later switches to) rank 0's policy. ZeRO-3 and FSDP2 sharding is read off
+    the model's parameters unless `zero_stage` / `fsdp` / `world_size` are given.
     """
+    from .distributed import attach, sharding_from_model
+
     if isinstance(policy, str):
         policy = Policy.load(policy)
+    if not config.keys() & {"zero_stage", "fsdp", "world_size", "offload_optimizer"}:
+        config = {**sharding_from_model(model), **config}
     cfg = AdaccConfig(
         budget=budget,
         codecs=list(codecs) if codecs is not None else None,
         adaptive=adaptive,
         **config,
     )
-    session = AdaccSession(model, cfg, policy=policy)
+    session = attach(AdaccSession(model, cfg, policy=policy))
     if sample_batch is not None:
         session.setup(sample_batch)
         session.on_step_begin(1)

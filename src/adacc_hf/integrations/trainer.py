@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from .. import __version__
 from ..errors import AdaccError, PolicyError
 from ..policy import Policy
 from ..profiler import Profile
+from .distributed import attach, sharding_from_trainer
 from .session import AdaccConfig, AdaccSession
 
 logger = logging.getLogger("adacc_hf")
@@ -198,11 +200,14 @@ class AdaccCallback(TrainerCallback):
             policy = Policy.load(args.adacc_policy)
         if self.session is not None:
             self.session.close()
-        self.session = AdaccSession(model, args.adacc_config(), policy=policy, profile=profile)
+        # Per-device budget: the static memory model divides sharded states by the world size.
+        config = dataclasses.replace(args.adacc_config(), **sharding_from_trainer(args))
+        self.session = AdaccSession(model, config, policy=policy, profile=profile)
         if sched:
             from ..evolution import TrackingSchedule
 
             self.session.schedule = TrackingSchedule.from_state_dict(sched)
+        attach(self.session)  # distributed: rank 0's policy and switch decisions on every rank
         self.session.attach()
 
     def on_step_begin(self, args, state, control, **kwargs):

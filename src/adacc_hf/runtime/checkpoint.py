@@ -25,7 +25,7 @@ from .ops import (
     OpKeyer,
     RegionTracker,
     detach_for_cache,
-    is_keyed,
+    is_keyed_now,
     is_mutable,
     is_random,
     mutated_args,
@@ -213,7 +213,7 @@ class _KeepMode(TorchDispatchMode):
                             f"mutated in place by {func}; it must be recomputed"
                         )
             return out
-        if not is_keyed(func):
+        if not is_keyed_now(func, args, kwargs):
             return out
         key, _, _ = self.keyer.key(func)
         action = run.rt.actions.get(key)
@@ -249,7 +249,7 @@ class _ReplayMode(TorchDispatchMode):
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not is_mutable(func) and is_keyed(func):
+        if not is_mutable(func) and is_keyed_now(func, args, kwargs):
             key, _, _ = self.keyer.key(func)
             entry = self.run.store.pop(key, None)
             if entry is not None:

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..adapters import get_adapter
 from ..adapters.registry import _base_model
 from .ops import is_keyed, tensor_outputs
+from .sharded import forwards_without_backward
 
 
 @dataclass
@@ -72,7 +73,7 @@ def activation_memory_report(model: nn.Module, batch: Mapping[str, Any]) -> Acti
         handles.append(block.register_forward_pre_hook(pre))
         handles.append(block.register_forward_hook(post, always_call=True))
     try:
-        with rec:
+        with forwards_without_backward(base), rec:
             out = model(**batch)
         loss = out["loss"] if isinstance(out, Mapping) else out[0]
         del out

@@ -46,6 +46,19 @@ def is_keyed(func: torch._ops.OpOverload) -> bool:
     )
 
 
+def is_keyed_now(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> bool:
+    """`is_keyed`, for ops that compute from activations. Under ``no_grad``, an op none of whose
+    inputs requires grad gets no key and always runs: ZeRO-3's and FSDP's parameter all-gathers and
+    prefetches run there and differ between the profiled block, the forward and the recompute (keys
+    would shift). Ops inside a custom autograd Function's forward (ZeRO-3's linear) keep theirs."""
+    if not is_keyed(func):
+        return False
+    if torch.is_grad_enabled():
+        return True
+    leaves = tree_flatten((args, kwargs))[0]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
 @functools.cache
 def is_mutable(func: torch._ops.OpOverload) -> bool:
     return func._schema.is_mutable

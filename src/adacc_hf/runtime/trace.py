@@ -17,13 +17,14 @@ from ..policy import OpSpec
 from .ops import (
     OpKeyer,
     RegionTracker,
-    is_keyed,
+    is_keyed_now,
     is_mutable,
     is_random,
     mutated_args,
     storage_id,
     tensor_outputs,
 )
+from .sharded import forwards_without_backward
 
 
 @dataclass
@@ -76,7 +77,7 @@ class _Recorder(TorchDispatchMode):
             elapsed = None
         else:
             out, elapsed = self.timer(func, args, kwargs)
-        keyed = is_keyed(func) and not is_mutable(func)
+        keyed = not is_mutable(func) and is_keyed_now(func, args, kwargs)
         if elapsed is not None and not keyed:
             self.other_ms.append(elapsed)
         if is_mutable(func):
@@ -85,7 +86,7 @@ class _Recorder(TorchDispatchMode):
                 if idx is not None:
                     self.recs[idx].mutated = True
             return out
-        if not is_keyed(func):
+        if not keyed:
             return out
         tensors = tensor_outputs(out)
         key, region, packet = self.keyer.key(func)
@@ -189,6 +190,7 @@ def run_representatives(
         block._gradient_checkpointing_func = hook(g, block)
     try:
         with (
+            forwards_without_backward(base),
             train_mode(base),
             torch.random.fork_rng(devices=_devices(base)),
             contextlib.suppress(_TraceDone),

@@ -126,11 +126,20 @@ class StaticMemory:
         return "\n".join(lines)
 
 
+def _numel(p: torch.Tensor) -> int:
+    """Elements of the whole parameter, also when sharded: a ZeRO-3 partition keeps the count in
+    `ds_numel`; an FSDP2 DTensor reports its global shape."""
+    return int(getattr(p, "ds_numel", 0) or 0) or p.numel()
+
+
 def _unique_params(model: nn.Module) -> list[nn.Parameter]:
     seen: set[tuple[str, int]] = set()
     out = []
     for p in model.parameters():
-        key = (str(p.device), p.untyped_storage().data_ptr()) if p.numel() else ("", id(p))
+        # Tied weights share an address; DeepSpeed's ZeRO-1/2 parameters are views into one flat
+        # buffer (one storage, distinct addresses). FSDP2: the local shard holds the data.
+        local = p.to_local() if hasattr(p, "to_local") else p
+        key = (str(p.device), local.data_ptr()) if local.numel() else ("", id(p))
         if key in seen:
             continue
         seen.add(key)
@@ -139,7 +148,7 @@ def _unique_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel) -> int:
-    n, e = p.numel(), p.element_size()
+    n, e = _numel(p), p.element_size()
     step = 4 if opt.step_tensor else 0
     if opt.kind == "param":
         return opt.states * n * e + step
@@ -150,9 +159,10 @@ def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel) -> int:
             return opt.states * n * 4
         return opt.states * (n + 4 * math.ceil(n / BNB_BLOCK))
     # factored (Adafactor): fp32 row/col second moments for >= 2-D, full otherwise; RMS scalar
-    if p.dim() >= 2:
-        rows = math.prod(p.shape[:-1])
-        cols = math.prod(p.shape[:-2]) * p.shape[-1]
+    shape = tuple(getattr(p, "ds_shape", None) or p.shape)  # ZeRO-3: the whole shape
+    if len(shape) >= 2:
+        rows = math.prod(shape[:-1])
+        cols = math.prod(shape[:-2]) * shape[-1]
         return (rows + cols) * 4 + 4
     return n * 4 + 4
 
@@ -187,7 +197,7 @@ def estimate_static_memory(
     num = trainable = 0
     any_8bit = False
     for p in _unique_params(model):
-        n, e = p.numel(), p.element_size()
+        n, e = _numel(p), p.element_size()
         params += n * e
         num += n
         if not p.requires_grad:

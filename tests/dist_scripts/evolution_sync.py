@@ -1,0 +1,107 @@
+"""Policy switches happen on every rank at the same step (DDP through Accelerate, custom loop).
+
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ... evolution_sync.py --out D
+
+Each rank trains on its own rows. After step `--shift-at`, outlier channels appear in rank 0's
+projection weights only, so only rank 0's activations make naive INT4 too lossy and only rank 0's
+statistics call for a switch. Codec times in the profile are zeroed so the first policy compresses
+whatever the CPU's timings. Phases: `synced` (the default wiring: samples merged over ranks,
+rank 0 decides and broadcasts) and `unsynced` (each rank decides alone after the shared first
+policy: the control that shows the ranks would otherwise disagree). Each rank writes
+`{phase}_rank{r}.json` with every switch as (step, fingerprint) and the tracking steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from accelerate import Accelerator
+from common import kinds, mixed_budget, write
+
+from adacc_hf import assets, profile_model
+from adacc_hf.integrations import distributed
+from adacc_hf.integrations.session import AdaccConfig, AdaccSession
+
+CODEC = "int4_naive"
+
+
+def run(accel: Accelerator, phase: str, args: argparse.Namespace) -> None:
+    r = accel.process_index
+    model = assets.tiny_model(
+        "llama",
+        seed=0,
+        hidden_size=128,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.0,
+    )
+    batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=32, seed=100 + r)
+    budget = mixed_budget(model, batch, 0.4, optimizer="sgd")
+    profile = profile_model(model, batch, codecs=[CODEC], repeats=1)
+    for g in profile.groups.values():
+        for op in g.ops:
+            for c in op.codecs.values():
+                c.encode_ms = c.decode_ms = 0.0
+    cfg = AdaccConfig(
+        budget=budget, codecs=[CODEC], adaptive=True, optimizer="sgd", max_codec_error=0.3
+    )
+    session = distributed.attach(AdaccSession(model, cfg, profile=profile))
+    session.setup(batch)  # every rank runs rank 0's first policy
+    first = session.policy
+    if phase == "unsynced":
+        session.broadcast = session.gather = None
+        session.leader = True
+    session.on_step_begin(1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ddp_model, opt = accel.prepare(model, opt)
+    switches, losses = [], []
+    for step in range(1, args.steps + 1):
+        loss = ddp_model(**batch).loss
+        accel.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        if step == args.shift_at and r == 0:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("proj.weight"):
+                        p[:2] *= 15.0
+        event = session.step_done(step)
+        if event is not None and event.kind == "switch":
+            switches.append([step, event.policy.fingerprint()])
+    write(
+        args.out,
+        phase,
+        {
+            "phase": phase,
+            "first_fingerprint": first.fingerprint(),
+            "first_kinds": kinds(first),
+            "switches": switches,
+            "tracking_steps": session.schedule.history,
+            "final_fingerprint": session.policy.fingerprint(),
+            "losses": losses,
+        },
+    )
+    session.close()
+    accel.wait_for_everyone()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--phases", default="synced,unsynced")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--shift-at", type=int, default=5)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    accel = Accelerator()
+    for phase in args.phases.split(","):
+        run(accel, phase, args)
+    accel.end_training()
+
+
+if __name__ == "__main__":
+    main()
