@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # On a machine without CUDA, pin the local CPU build of torch so pip never pulls CUDA wheels.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo memory-demo test test-all test-dist bench-codecs plan-sweep lint format clean
+.PHONY: setup demo memory-demo test test-all test-dist bench-cpu accuracy bench-codecs plan-sweep lint format clean
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,14 @@ test-all: setup
 # Adacc on 2 CPU processes over gloo: DDP, FSDP2, DeepSpeed ZeRO-2/3 (first run compiles DeepSpeed's ops)
 test-dist: setup
 	$(PY) -m pytest -q tests/test_distributed.py
+
+# Strategies side by side on CPU-sized models (throughput, memory, largest micro-batch); < 10 min.
+bench-cpu: setup
+	$(PY) benchmarks/bench_throughput.py
+
+# SmolLM2 fine-tuning and from-scratch GPT-2 accuracy per strategy, with loss-curve plots.
+accuracy: setup
+	$(PY) benchmarks/accuracy.py
 
 # Codec kernel bandwidth (GPU); on CPU a small interpreter smoke run.
 bench-codecs: setup
