@@ -52,7 +52,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from adacc_hf import estimate_static_memory
 from adacc_hf.integrations.session import AdaccConfig, AdaccSession
-from adacc_hf.solver.milp import min_budget
+from adacc_hf.solver import min_budget
 from benchmarks import strategies as S
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -25,7 +25,7 @@ import time
 import warnings
 from pathlib import Path
 
-from adacc_hf.profiler import CodecProfile, GroupProfile, OpProfile, Profile
+from adacc_hf.schema import CodecProfile, GroupProfile, OpProfile, Profile
 from adacc_hf.solver import solve
 
 TARGET_MS = 50.0

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adacc_hf import uniform_policy
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
@@ -53,8 +55,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from adacc_hf import estimate_static_memory
 from adacc_hf.errors import BudgetError
-from adacc_hf.solver import solve
-from adacc_hf.solver.milp import min_budget
+from adacc_hf.solver import min_budget, solve
 from benchmarks import strategies as S
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -369,7 +370,6 @@ def _add_predictions(
 ) -> None:
     """The cost model's peak for each strategy's policy (from Adacc's profile at this batch), to
     set beside the measured one."""
-    from adacc_hf import Policy
     from adacc_hf.solver import predict
 
     prof = next((s.profiles.adacc for s in strategies.values() if s.profiles is not None), None)
@@ -379,9 +379,9 @@ def _add_predictions(
     for n, s in strategies.items():
         pol = s.active_policy
         if n == "none":
-            pol = uniform.setdefault("retain", Policy.uniform(run.model, "retain", batch))
+            pol = uniform.setdefault("retain", uniform_policy(run.model, "retain", batch))
         elif n in ("hf_full", "hf_offload"):
-            pol = uniform.setdefault("recompute", Policy.uniform(run.model, "recompute", batch))
+            pol = uniform.setdefault("recompute", uniform_policy(run.model, "recompute", batch))
         if pol is None:
             continue
         pred = predict(prof, pol, run.static_nbytes)

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from adacc_hf import Action, Policy, apply_adacc, assets
+from adacc_hf import Action, apply_adacc, assets, uniform_policy
 
 CODECS = ("int4_outlier", "int4_channel", "int4_asym", "bitpack")
 
@@ -35,7 +35,7 @@ def main() -> int:
         ref_logits, ref = _step(model, batch)
         cells = []
         for codec in (*CODECS, "all"):
-            policy = Policy.uniform(model, "compress", batch)
+            policy = uniform_policy(model, "compress", batch)
             n = 0
             for g in policy.groups.values():
                 acts = g.variants[0].actions

@@ -15,9 +15,9 @@ import sys
 from dataclasses import asdict
 
 import torch
+from sweep import budget_sweep
 
 from adacc_hf import assets
-from adacc_hf.solver.sweep import budget_sweep
 
 
 def main(argv: list[str] | None = None) -> int:

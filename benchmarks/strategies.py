@@ -44,12 +44,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from adacc_hf import Policy, activation_memory_report, apply_adacc
+from adacc_hf import (
+    Policy,
+    activation_memory_report,
+    apply_adacc,
+    attention_recompute_policy,
+    uniform_policy,
+)
 from adacc_hf.adapters import CODEC_FOR_LAYER, LAYER_TYPES
 from adacc_hf.errors import BudgetError
 from adacc_hf.integrations.session import AdaccConfig, AdaccSession
-from adacc_hf.profiler import Profile, profile_model
+from adacc_hf.profiler import profile_model
 from adacc_hf.runtime.ops import is_keyed
+from adacc_hf.schema import Profile
 
 #: name -> label, in the order tables and plots show them.
 STRATEGIES: dict[str, str] = {
@@ -260,17 +267,17 @@ class Strategy:
             return self
         n, m, b = self.name, self.model, self.batch
         if n == "megatron":
-            self.policy = Policy.attention_recompute(m, b)
+            self.policy = attention_recompute_policy(m, b)
         elif n == "naive_int4":
-            self.policy = Policy.uniform(
+            self.policy = uniform_policy(
                 m, "compress", b, codecs=dict.fromkeys(LAYER_TYPES, "int4_naive")
             )
         elif n == "adacc_all":
-            self.policy = Policy.uniform(m, "compress", b)
+            self.policy = uniform_policy(m, "compress", b)
         elif n == "adacc_all_no_outlier":
             codec, params = NO_OUTLIER_CODEC
             swap = {t: codec for t, c in CODEC_FOR_LAYER.items() if c == "int4_outlier"}
-            self.policy = Policy.uniform(
+            self.policy = uniform_policy(
                 m, "compress", b, codecs=swap, codec_params={codec: params}
             )
         elif n in BUDGETED:

@@ -18,6 +18,8 @@ import os
 import statistics
 import time
 
+from adacc_hf import uniform_policy
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -134,8 +136,8 @@ def main() -> None:
 
     # Side by side on the same batch: memory held for backward and step time.
     model.train()
-    none = Policy.uniform(model, "retain", sample)
-    full = Policy.uniform(model, "recompute", sample)
+    none = uniform_policy(model, "retain", sample)
+    full = uniform_policy(model, "recompute", sample)
     rows = []
     for name, pol in (("no checkpointing", none), ("full recompute", full), ("adacc", policy)):
         with apply_adacc(model, pol):

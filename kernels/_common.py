@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .layout import group_layout  # noqa: F401 (re-exported for the codec modules)
+
 # Whether the kernels of this process were defined for Triton's CPU interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -147,12 +149,6 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
     return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
-
-
-def group_layout(channels: int, group_size: int) -> tuple[int, int]:
-    """(group, padded_channels), as ``adacc_hf.codecs.base.group_layout``."""
-    group = group_size or channels
-    return group, cdiv(channels, group) * group
 
 
 def check_rows_input(x: torch.Tensor) -> tuple[int, int]:

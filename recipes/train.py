@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{report.get('policy_fingerprint', '-')}",
             flush=True,
         )
+    trainer.accelerator.end_training()  # tear the process group down before the interpreter exits
     return report
 
 

@@ -10,9 +10,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest
 import torch
 
-from adacc_hf import assets
+from adacc_hf import assets, trace_model
+from adacc_hf.policy.builders import random_mix
 
 FAMILIES = assets.SUPPORTED_FAMILIES
+
+
+def random_policy(model, batch=None, *, seed: int = 0, kinds=("retain", "recompute")):
+    """A random mix of actions over `model`'s traced ops (see `builders.random_mix`)."""
+    return random_mix(trace_model(model, batch), seed=seed, kinds=kinds)
 
 
 def step(model, batch, seed: int = 1234):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adacc_hf import Policy, assets, get_adapter, supported_model_types, trace_model
+from adacc_hf import assets, get_adapter, supported_model_types, trace_model, uniform_policy
 from adacc_hf.adapters.base import classify_attention_ops
 
 EXPECTED_GROUPS = {
@@ -84,5 +84,5 @@ def test_supported_types_include_the_four_families_and_llama_relatives():
 
 
 def test_dummy_batch_traces_without_user_data(family):
-    policy = Policy.uniform(assets.tiny_model(family), "recompute")
+    policy = uniform_policy(assets.tiny_model(family), "recompute")
     assert policy.groups

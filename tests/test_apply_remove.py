@@ -6,15 +6,16 @@ import copy
 
 import pytest
 import torch
-from conftest import step
+from conftest import random_policy, step
 
 from adacc_hf import (
     AdaccError,
     AlreadyAppliedError,
-    Policy,
     UnsupportedModelError,
     apply_adacc,
     assets,
+    attention_recompute_policy,
+    uniform_policy,
 )
 
 
@@ -26,7 +27,7 @@ def test_remove_restores_the_model_exactly(tiny):
     model, batch = tiny
     pristine = copy.deepcopy(model)
     before_dicts = {n: set(vars(m)) for n, m in model.named_modules()}
-    policy = Policy.random(model, batch, seed=2, kinds=("retain", "recompute", "compress"))
+    policy = random_policy(model, batch, seed=2, kinds=("retain", "recompute", "compress"))
     handle = apply_adacc(model, policy)
     assert _hooks(model) > 0
     step(model, batch)
@@ -46,14 +47,14 @@ def test_remove_restores_the_model_exactly(tiny):
 
 def test_context_manager_form_removes_on_exit(tiny):
     model, batch = tiny
-    with apply_adacc(model, Policy.uniform(model, "recompute", batch)) as handle:
+    with apply_adacc(model, uniform_policy(model, "recompute", batch)) as handle:
         assert handle.active and _hooks(model) > 0
     assert not handle.active and _hooks(model) == 0
 
 
 def test_applying_twice_is_a_clear_error_and_reapply_after_remove_works(tiny):
     model, batch = tiny
-    policy = Policy.uniform(model, "recompute", batch)
+    policy = uniform_policy(model, "recompute", batch)
     handle = apply_adacc(model, policy)
     with pytest.raises(AlreadyAppliedError, match="already applied"):
         apply_adacc(model, policy)
@@ -65,9 +66,9 @@ def test_applying_twice_is_a_clear_error_and_reapply_after_remove_works(tiny):
 def test_set_policy_switches_without_double_patching(tiny):
     model, batch = tiny
     ref_loss, ref_grads, _ = step(model, batch)
-    handle = apply_adacc(model, Policy.uniform(model, "recompute", batch))
+    handle = apply_adacc(model, uniform_policy(model, "recompute", batch))
     hooks = _hooks(model)
-    handle.set_policy(Policy.attention_recompute(model, batch))
+    handle.set_policy(attention_recompute_policy(model, batch))
     assert _hooks(model) == hooks
     loss, grads, _ = step(model, batch)
     handle.remove()
@@ -77,7 +78,7 @@ def test_set_policy_switches_without_double_patching(tiny):
 
 def test_hf_gradient_checkpointing_already_on_is_refused(tiny):
     model, batch = tiny
-    policy = Policy.uniform(model, "recompute", batch)
+    policy = uniform_policy(model, "recompute", batch)
     enable = getattr(model, "activation_checkpointing_enable", None)
     disable = getattr(model, "activation_checkpointing_disable", None)
     (enable or model.gradient_checkpointing_enable)()
@@ -101,16 +102,16 @@ def test_unsupported_model_names_the_supported_families():
         )
     )
     with pytest.raises(UnsupportedModelError, match="'opt'.*bert, gpt2, llama"):
-        Policy.uniform(opt, "recompute")
+        uniform_policy(opt, "recompute")
     with pytest.raises(UnsupportedModelError, match="no `config.model_type`"):
-        Policy.uniform(torch.nn.Linear(2, 2), "recompute")
+        uniform_policy(torch.nn.Linear(2, 2), "recompute")
 
 
 def test_policy_for_another_model_is_refused_before_patching():
     llama = assets.tiny_model("llama")
     gpt2 = assets.tiny_model("gpt2")
     deeper = assets.tiny_model("llama", num_hidden_layers=3)
-    policy = Policy.uniform(llama, "recompute")
+    policy = uniform_policy(llama, "recompute")
     from adacc_hf import PolicyError
 
     with pytest.raises(PolicyError, match="made for a 'llama' model, not 'gpt2'"):

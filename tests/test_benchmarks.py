@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from adacc_hf import assets, estimate_static_memory  # noqa: E402
-from adacc_hf.solver.milp import min_budget  # noqa: E402
+from adacc_hf.solver import min_budget  # noqa: E402
 from benchmarks import strategies as S  # noqa: E402
 
 

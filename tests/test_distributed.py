@@ -32,9 +32,10 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import random_policy
 
-from adacc_hf import Policy, assets, estimate_static_memory, profile_model
-from adacc_hf.integrations import distributed
+from adacc_hf import assets, estimate_static_memory, profile_model, uniform_policy
+from adacc_hf.integrations import coordinator, sharding
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "dist_scripts"
@@ -159,7 +160,7 @@ def test_every_recipe_config_parses_with_accelerates_loader():
             ds_file = cfg.deepspeed_config["deepspeed_config_file"]
             ds = json.loads((ROOT / ds_file).read_text())
             stage, offload = zero[name.removeprefix("deepspeed_").removesuffix(".yaml")]
-            fields = distributed._zero_fields(ds, 2)
+            fields = sharding._zero_fields(ds, 2)
             assert fields == {
                 "zero_stage": stage,
                 "fsdp": False,
@@ -182,7 +183,7 @@ def test_sharding_fields_come_from_trainer_args_and_sharded_models():
             config={"zero_optimization": zero3, "bf16": {"enabled": True}}
         ),
     )
-    assert distributed.sharding_from_trainer(ds) == {
+    assert sharding.sharding_from_trainer(ds) == {
         "zero_stage": 3,
         "fsdp": False,
         "world_size": 4,
@@ -190,16 +191,18 @@ def test_sharding_fields_come_from_trainer_args_and_sharded_models():
         "master_weights": True,
     }
     fsdp = SimpleNamespace(world_size=8, deepspeed=None, fsdp=True, fsdp_config={"version": 2})
-    assert distributed.sharding_from_trainer(fsdp)["fsdp"] is True
+    assert sharding.sharding_from_trainer(fsdp)["fsdp"] is True
     v1 = {"version": 1, "reshard_after_forward": "shard_grad_op"}
     fsdp1 = SimpleNamespace(world_size=8, deepspeed=None, fsdp=True, fsdp_config=v1)
-    assert distributed.sharding_from_trainer(fsdp1)["zero_stage"] == 2
+    assert sharding.sharding_from_trainer(fsdp1)["zero_stage"] == 2
     model = assets.tiny_model("llama")
-    assert distributed.sharding_from_model(model) == {}
+    assert sharding.sharding_from_model(model) == {}
     # Outside a process group: identity, no collectives.
-    policy = Policy.uniform(model, "recompute")
-    assert distributed.broadcast_policy(policy) is policy
-    assert not distributed.is_distributed() and distributed.rank() == 0
+    policy = uniform_policy(model, "recompute")
+    local = coordinator.coordinator_for_process()
+    assert type(local) is coordinator.Coordinator and local.leader
+    assert local.share(lambda: policy) is policy
+    assert not coordinator.is_distributed() and coordinator.rank() == 0
 
 
 def test_static_memory_counts_whole_parameters_when_sharded_or_flattened():
@@ -413,7 +416,7 @@ def test_deepspeed_trainer_with_adacc_matches_the_same_zero_run_without_it(
     # A fixed mix with INT4 compression (traced on the unsharded model: the same op table).
     model = assets.tiny_model("llama", seed=0)
     batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=64)
-    policy = Policy.random(model, batch, seed=0, kinds=("retain", "recompute", "compress"))
+    policy = random_policy(model, batch, seed=0, kinds=("retain", "recompute", "compress"))
     policy.save(str(tmp_path / "policy.json"))
     c0, c1 = _deepspeed(stage, tmp_path / "compressed", "--adacc", "--adacc_policy",
                         str(tmp_path / "policy.json"))  # fmt: skip

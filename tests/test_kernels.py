@@ -550,7 +550,7 @@ def test_training_losses_are_identical_on_kernel_and_reference_paths():
     def train(mode: str) -> tuple[list[float], list[torch.Tensor]]:
         model = assets.tiny_model("llama").to(DEVICE)
         batch = assets.tiny_batch("llama", model)
-        policy = adacc_hf.Policy.uniform(model, "compress", batch)
+        policy = adacc_hf.uniform_policy(model, "compress", batch)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         torch.manual_seed(0)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import step
+from conftest import random_policy, step
 
 from adacc_hf import (
-    Policy,
     activation_memory_report,
     apply_adacc,
+    attention_recompute_policy,
     measure_activation_memory,
+    uniform_policy,
 )
 from adacc_hf.adapters import get_adapter
 
@@ -36,7 +37,7 @@ def _block_inputs(model, batch) -> dict[str, int]:
 def test_full_recompute_holds_about_one_block_input_per_block(tiny, family):
     model, batch = tiny
     inputs = _block_inputs(model, batch)
-    with apply_adacc(model, Policy.uniform(model, "recompute", batch)):
+    with apply_adacc(model, uniform_policy(model, "recompute", batch)):
         report = activation_memory_report(model, batch)
     for path, held in report.blocks.items():
         if family == "t5" and path.endswith(".0"):
@@ -50,7 +51,7 @@ def test_all_retain_holds_exactly_what_the_unpatched_model_holds(tiny):
     model, batch = tiny
     torch.manual_seed(0)
     plain = activation_memory_report(model, batch)
-    with apply_adacc(model, Policy.uniform(model, "retain", batch)):
+    with apply_adacc(model, uniform_policy(model, "retain", batch)):
         torch.manual_seed(0)
         patched = activation_memory_report(model, batch)
     assert patched == plain
@@ -60,14 +61,14 @@ def test_all_retain_holds_exactly_what_the_unpatched_model_holds(tiny):
 @pytest.mark.parametrize("kind", ["compress", "random_compress", "attention"])
 def test_held_memory_matches_codec_sizes_within_5_percent(tiny, kind):
     model, batch = tiny
-    with apply_adacc(model, Policy.uniform(model, "recompute", batch)):
+    with apply_adacc(model, uniform_policy(model, "recompute", batch)):
         base = activation_memory_report(model, batch)
     if kind == "compress":
-        policy = Policy.uniform(model, "compress", batch)
+        policy = uniform_policy(model, "compress", batch)
     elif kind == "random_compress":
-        policy = Policy.random(model, batch, seed=5, kinds=("retain", "recompute", "compress"))
+        policy = random_policy(model, batch, seed=5, kinds=("retain", "recompute", "compress"))
     else:
-        policy = Policy.attention_recompute(model, batch)
+        policy = attention_recompute_policy(model, batch)
     with apply_adacc(model, policy) as handle:
         measured = activation_memory_report(model, batch)
         cached = handle.cached_bytes()
@@ -85,7 +86,7 @@ def test_compress_codec_sizes_are_what_the_codecs_predict(tiny):
     from adacc_hf.codecs import get_codec
 
     model, batch = tiny
-    policy = Policy.uniform(model, "compress", batch)
+    policy = uniform_policy(model, "compress", batch)
     with apply_adacc(model, policy) as handle:
         step(model, batch)
         for path, rt in handle.runtimes.items():
@@ -130,6 +131,27 @@ def test_measure_activation_memory_counts_saved_tensors_once():
     del loss
 
 
-def test_measure_returns_total_bytes(tiny):
+def test_held_bytes_equal_the_storages_autograd_saves(tiny):
+    """Independent truth for an unpatched model: the storages autograd's saved-tensor hooks see
+    (what forward created: parameters, buffers and the batch's own tensors excluded) plus the loss
+    are exactly what the report counts."""
     model, batch = tiny
-    assert measure_activation_memory(model, batch) == activation_memory_report(model, batch).total
+    params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
+    params |= {v.untyped_storage().data_ptr() for v in batch.values() if torch.is_tensor(v)}
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and t.untyped_storage().nbytes():
+            saved[ptr] = t
+        return t
+
+    torch.manual_seed(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    truth = sum(t.untyped_storage().nbytes() for t in saved.values())
+    truth += 0 if loss.untyped_storage().data_ptr() in saved else loss.untyped_storage().nbytes()
+    del loss
+    saved.clear()
+    torch.manual_seed(0)
+    assert measure_activation_memory(model, batch) == truth

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import step
+from conftest import random_policy, step
 
-from adacc_hf import Policy, apply_adacc, assets
+from adacc_hf import apply_adacc, assets
 
 peft = pytest.importorskip("peft")
 
@@ -24,7 +24,7 @@ def test_lora_gradients_are_exact_under_retain_recompute_mix():
     batch = assets.tiny_batch("llama", assets.tiny_config("llama"))
     ref_loss, ref_grads, _ = step(model, batch)
     assert any("lora_A" in k for k in ref_grads) and not any("embed" in k for k in ref_grads)
-    policy = Policy.random(model, batch, seed=7)
+    policy = random_policy(model, batch, seed=7)
     assert any(op.key.startswith("self_attn.q_proj.lora") for op in policy.groups["block"].ops)
     with apply_adacc(model, policy):
         loss, grads, _ = step(model, batch)
@@ -35,7 +35,7 @@ def test_lora_gradients_are_exact_under_retain_recompute_mix():
 def test_lora_trains_with_a_mixed_compress_policy():
     model = _lora()
     batch = assets.tiny_batch("llama", assets.tiny_config("llama"))
-    policy = Policy.random(model, batch, seed=8, kinds=("retain", "recompute", "compress"))
+    policy = random_policy(model, batch, seed=8, kinds=("retain", "recompute", "compress"))
     assert "compress" in str(policy.summary())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []

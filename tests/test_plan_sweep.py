@@ -5,8 +5,12 @@ the budget grows; a budget that fits everything checkpoints nothing."""
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
-from adacc_hf.solver.sweep import budget_sweep
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.sweep import budget_sweep
 
 
 def test_budget_sweep_memory_fits_and_matches_prediction(tiny):

@@ -7,14 +7,15 @@ import json
 import pickle
 
 import pytest
+from conftest import random_policy
 
-from adacc_hf import Action, Policy, PolicyError, assets
+from adacc_hf import Action, Policy, PolicyError, assets, layer_type_policy, uniform_policy
 
 
 @pytest.fixture(scope="module")
 def policy():
     model = assets.tiny_model("t5")
-    return Policy.random(
+    return random_policy(
         model, assets.tiny_batch("t5", model), seed=4, kinds=("retain", "recompute", "compress")
     )
 
@@ -103,7 +104,7 @@ def test_not_json_and_missing_file_raise_policy_errors(tmp_path):
 
 def test_random_or_mutated_ops_can_only_be_recomputed():
     model = assets.tiny_model("llama")
-    policy = Policy.uniform(model, "recompute")
+    policy = uniform_policy(model, "recompute")
     group = policy.groups["block"]
     fixed = [o for o in group.ops if not o.cacheable]
     assert fixed, "tiny llama's CPU dropout should produce non-cacheable ops"
@@ -133,6 +134,6 @@ def test_bad_actions_and_layer_types_are_rejected():
     with pytest.raises(PolicyError, match="needs a codec"):
         Action("compress")
     with pytest.raises(PolicyError, match="unknown action"):
-        Policy.uniform(assets.tiny_model("gpt2"), "keep")  # type: ignore[arg-type]
+        uniform_policy(assets.tiny_model("gpt2"), "keep")  # type: ignore[arg-type]
     with pytest.raises(PolicyError, match="unknown layer types"):
-        Policy.by_layer_type(assets.tiny_model("gpt2"), {"attention": "recompute"})
+        layer_type_policy(assets.tiny_model("gpt2"), {"attention": "recompute"})

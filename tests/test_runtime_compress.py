@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import grad_rel_error, step
 
-from adacc_hf import Action, Policy, apply_adacc
+from adacc_hf import Action, Policy, apply_adacc, uniform_policy
 from adacc_hf.codecs import get_codec
 
 # Upper bounds on ||g - g_ref|| / ||g_ref|| on the tiny random-init models when every op whose
@@ -31,7 +31,7 @@ def _only(policy: Policy, codec: str) -> tuple[Policy, int]:
 def test_compress_policy_keeps_forward_outputs_identical(tiny):
     model, batch = tiny
     ref_loss, _, ref_out = step(model, batch)
-    with apply_adacc(model, Policy.uniform(model, "compress", batch)) as handle:
+    with apply_adacc(model, uniform_policy(model, "compress", batch)) as handle:
         loss, grads, out = step(model, batch)
         assert sum(handle.cached_bytes().values()) > 0
     assert torch.equal(loss, ref_loss)
@@ -43,7 +43,7 @@ def test_compress_policy_keeps_forward_outputs_identical(tiny):
 def test_gradient_error_is_bounded_per_codec(tiny, codec):
     model, batch = tiny
     _, ref_grads, _ = step(model, batch)
-    policy, n = _only(Policy.uniform(model, "compress", batch), codec)
+    policy, n = _only(uniform_policy(model, "compress", batch), codec)
     if n == 0:
         pytest.skip(f"no op of this model uses {codec} by default")
     with apply_adacc(model, policy):
@@ -57,7 +57,7 @@ def test_gradient_error_is_bounded_per_codec(tiny, codec):
 def test_naive_int4_everywhere_is_bounded_but_lossy(tiny):
     model, batch = tiny
     _, ref_grads, _ = step(model, batch)
-    policy = Policy.uniform(
+    policy = uniform_policy(
         model,
         "compress",
         batch,

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import step
+from conftest import random_policy, step
 
-from adacc_hf import Policy, apply_adacc
+from adacc_hf import (
+    apply_adacc,
+    attention_recompute_policy,
+    layer_type_policy,
+    uniform_policy,
+)
 from adacc_hf.adapters import ATTENTION_CORE
 
 MLP = {"mlp_up": "recompute", "act": "recompute", "mlp_down": "recompute"}
@@ -14,12 +19,12 @@ MLP = {"mlp_up": "recompute", "act": "recompute", "mlp_down": "recompute"}
 
 def _policies(model, batch):
     return {
-        "all_retain": Policy.uniform(model, "retain", batch),
-        "full_recompute": Policy.uniform(model, "recompute", batch),
-        "attention_core": Policy.attention_recompute(model, batch),
-        "mlp_only": Policy.by_layer_type(model, MLP, batch),
-        "random_mix_0": Policy.random(model, batch, seed=0),
-        "random_mix_1": Policy.random(model, batch, seed=1),
+        "all_retain": uniform_policy(model, "retain", batch),
+        "full_recompute": uniform_policy(model, "recompute", batch),
+        "attention_core": attention_recompute_policy(model, batch),
+        "mlp_only": layer_type_policy(model, MLP, batch),
+        "random_mix_0": random_policy(model, batch, seed=0),
+        "random_mix_1": random_policy(model, batch, seed=1),
     }
 
 
@@ -40,8 +45,8 @@ def test_retain_and_recompute_policies_give_bitwise_equal_loss_and_gradients(tin
 def test_policies_really_recompute_and_retain(tiny):
     """The exactness above is not vacuous: recomputed ops are not cached, retained ones are."""
     model, batch = tiny
-    full = Policy.uniform(model, "recompute", batch)
-    core = Policy.attention_recompute(model, batch)
+    full = uniform_policy(model, "recompute", batch)
+    core = attention_recompute_policy(model, batch)
     with apply_adacc(model, full) as handle:
         step(model, batch)
         assert handle.runtimes and all(b == 0 for b in handle.cached_bytes().values())
@@ -55,7 +60,7 @@ def test_policies_really_recompute_and_retain(tiny):
 
 def test_all_retain_runs_without_checkpoint_machinery(tiny):
     model, batch = tiny
-    with apply_adacc(model, Policy.uniform(model, "retain", batch)) as handle:
+    with apply_adacc(model, uniform_policy(model, "retain", batch)) as handle:
         assert handle.runtimes == {}
         blocks = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
         assert all("_gradient_checkpointing_func" not in vars(b) for b in blocks)
@@ -92,7 +97,7 @@ def test_llama_relatives_run_exactly(model_type):
     model = AutoModelForCausalLM.from_config(config).train()
     batch = assets.tiny_batch("llama", assets.tiny_config("llama"))
     ref_loss, ref_grads, _ = step(model, batch)
-    policy = Policy.random(model, batch, seed=3)
+    policy = random_policy(model, batch, seed=3)
     with apply_adacc(model, policy):
         loss, grads, _ = step(model, batch)
     assert torch.equal(loss, ref_loss)

@@ -21,7 +21,7 @@ from adacc_hf import (
     estimate_static_memory,
     profile_model,
 )
-from adacc_hf.integrations.trainer import POLICY_FILE, AdaccCallback
+from adacc_hf.integrations.trainer import POLICY_FILE, AdaccCallback, run_config
 
 
 class Rows(torch.utils.data.Dataset):
@@ -126,10 +126,16 @@ def test_adacc_trainer_resumes_policy_and_writes_model_card(tmp_path):
     trainer.create_model_card(model_name="tiny-adacc")
     out = tmp_path / "out"
     card = ModelCard.load(str(out / "README.md"))
-    assert card.data.adacc["policy_fingerprint"] == policy.fingerprint()
-    assert card.data.adacc["actions"] == policy.summary()
+    assert "adacc-hf" in card.data.tags
+    assert "adacc" not in card.data.to_dict()  # no nested policy dict in the YAML
+    assert "## Activation memory (adacc-hf)" in card.text and policy.fingerprint() in card.text
+    assert Policy.load(str(out / POLICY_FILE)).fingerprint() == policy.fingerprint()
     config = json.loads((out / "config.json").read_text())
     assert config["adacc"]["policy_fingerprint"] == policy.fingerprint()
+    assert len(json.dumps(config["adacc"])) < 400  # a small summary, not the per-op table
+    assert not hasattr(model.config, "adacc")  # the live config is left as it was
+    trainer.create_model_card(model_name="tiny-adacc")  # twice: one section, not two
+    assert ModelCard.load(str(out / "README.md")).text.count("Activation memory (adacc-hf)") == 1
 
     # Resume from the step-3 checkpoint: the saved policy is restored, no re-profiling.
     model2 = assets.tiny_model("llama", seed=0)
@@ -138,7 +144,68 @@ def test_adacc_trainer_resumes_policy_and_writes_model_card(tmp_path):
     saved = Policy.load(os.path.join(ckpt, POLICY_FILE))
     trainer2.train(resume_from_checkpoint=ckpt)
     assert trainer2.adacc_session.policy.fingerprint() == saved.fingerprint()
+    assert trainer2.adacc_session.profile is not None  # the checkpoint's profile, not a new one
     assert trainer2.state.global_step == 6
+
+
+def test_callback_works_with_plain_training_arguments_and_resumes(tmp_path):
+    """`Trainer(..., callbacks=[AdaccCallback(...)])` with any TrainingArguments (as TRL's
+    configs are): it trains under the budget, saves the policy, and a plain Trainer resuming from
+    a checkpoint finds the policy there."""
+    from transformers import TrainingArguments
+
+    model = assets.tiny_model("llama", seed=0)
+    batch = assets.tiny_batch("llama", model)
+    budget = mixed_budget(model, batch)
+    kw = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+    )
+    cb = AdaccCallback(budget=budget, adaptive=False)
+    trainer = Trainer(
+        model=model, args=TrainingArguments(**kw), train_dataset=Rows(batch), callbacks=[cb]
+    )
+    trainer.train()
+    assert cb.session is not None and cb.session.policy is not None
+    assert cb.session.config.optimizer == trainer.args.optim.value  # read off the run
+    with apply_adacc(model, cb.session.policy):
+        held = activation_memory_report(model, batch).total
+    assert held <= budget - cb.session.static_nbytes
+    saved = Policy.load(str(tmp_path / "out" / "checkpoint-2" / POLICY_FILE))
+
+    cb2 = AdaccCallback(budget=budget)
+    trainer2 = Trainer(
+        model=assets.tiny_model("llama", seed=0),
+        args=TrainingArguments(**kw),
+        train_dataset=Rows(batch),
+        callbacks=[cb2],
+    )
+    trainer2.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert cb2.session.policy.fingerprint() == saved.fingerprint()
+
+
+def test_importing_adacc_leaves_transformers_globals_untouched():
+    """`import adacc_hf` (and its Trainer integration) registers nothing in transformers."""
+    import subprocess
+    import sys
+
+    code = (
+        "from transformers.integrations import integration_utils as iu\n"
+        "before = dict(iu.INTEGRATION_TO_CALLBACK)\n"
+        "import adacc_hf, adacc_hf.integrations.trainer\n"
+        "from adacc_hf import AdaccCallback, AdaccTrainingArguments\n"
+        "assert dict(iu.INTEGRATION_TO_CALLBACK) == before, 'globals changed'\n"
+        "AdaccTrainingArguments(output_dir='/tmp/x', report_to='none')\n"
+        "assert dict(iu.INTEGRATION_TO_CALLBACK) == before, 'adacc=False changed globals'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_arguments_from_the_command_line_and_bad_combinations(tmp_path):
@@ -159,8 +226,17 @@ def test_arguments_from_the_command_line_and_bad_combinations(tmp_path):
     )
     assert args.adacc and args.adacc_memory_budget == "20GiB"
     assert args.adacc_config().codecs == ["int4_outlier", "bitpack"]
-    assert "adacc" in args.report_to and args.ddp_find_unused_parameters is False
-    json.loads(args.to_json_string())  # still JSON-logged
+    assert args.ddp_find_unused_parameters is False
+    # What is logged and saved shows the user's report_to, not the integration's name.
+    assert json.loads(args.to_json_string())["report_to"] == []
+    import pickle
+
+    assert pickle.loads(pickle.dumps(args)).adacc_codecs == ["int4_outlier", "bitpack"]
+    assert "adacc" not in pickle.loads(pickle.dumps(args)).to_dict()["report_to"]
+    (listed,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--adacc", "--adacc_codecs", "int4_outlier", "bitpack"]
+    )
+    assert listed.adacc_codecs == ["int4_outlier", "bitpack"]
     with pytest.raises(AdaccError, match="replaces activation checkpointing"):
         AdaccTrainingArguments(output_dir=str(tmp_path), adacc=True, gradient_checkpointing=True)
     with pytest.raises(AdaccError, match="adacc_memory_budget"):
@@ -200,7 +276,7 @@ def test_lora_with_8bit_adamw_trains_and_static_memory_accounts_for_it(tmp_path)
     batch = assets.tiny_batch("llama", assets.tiny_config("llama"))
     budget = mixed_budget(model, batch)
     args = _args(tmp_path, budget, optim="adamw_bnb_8bit", save_strategy="no")
-    assert args.adacc_config().optimizer == "adamw_bnb_8bit"
+    assert run_config(args.adacc_config(), args).optimizer == "adamw_bnb_8bit"
     trainer = Trainer(model=model, args=args, train_dataset=Rows(batch))
     trainer.train()
     session = _session(trainer)

@@ -2,35 +2,45 @@
 
 Public API::
 
-    args = AdaccTrainingArguments(..., adacc=True, adacc_memory_budget="20GiB")
-    Trainer(model, args, ...).train()                   # profiles, solves, patches, trains
+    Trainer(..., callbacks=[AdaccCallback(budget="20GiB")])    # any TrainingArguments (TRL too)
+    Trainer(args=AdaccTrainingArguments(..., adacc=True, adacc_memory_budget="20GiB"))
 
-    session = prepare(model, "20GiB", sample_batch)     # custom loops / Accelerate
+    session = prepare(model, "20GiB", sample_batch)          # custom loops / Accelerate
     profile = profile_model(model, batch); policy = solve_policy(profile, "20GiB")
-    with apply_adacc(model, policy): ...                # any policy, reversibly
-    measure_activation_memory(model, batch)             # bytes held for backward
+    with apply_adacc(model, policy): ...                     # any policy, reversibly
+    measure_activation_memory(model, batch)                  # bytes held for backward
+
+Heavy parts (the Trainer integration, the profiler, the solver) load on first use.
 """
 
-__version__ = "0.1.0"
-
-from .adapters import get_adapter, supported_model_types
+from ._version import __version__
+from .adapters import get_adapter, supported_model_types, unwrap_model
 from .errors import (
     AdaccError,
     AlreadyAppliedError,
+    BudgetError,
     PolicyError,
     UnsupportedModelError,
 )
-from .policy import Action, Policy
-from .runtime import AdaccHandle, apply_adacc, trace_model
+from .policy import Policy
+from .runtime import (
+    AdaccHandle,
+    apply_adacc,
+    attention_recompute_policy,
+    layer_type_policy,
+    trace_model,
+    uniform_policy,
+)
 from .runtime.memory import (
     ActivationMemory,
     activation_memory_report,
     measure_activation_memory,
     peak_step_memory,
 )
+from .schema import Action, OpSpec, Profile
 
 _LAZY = {
-    # Trainer integration pulls in transformers.Trainer: import on first use only.
+    # The Trainer integration pulls in transformers.Trainer: import on first use only.
     "AdaccTrainingArguments": "integrations.trainer",
     "AdaccTrainer": "integrations.trainer",
     "AdaccCallback": "integrations.trainer",
@@ -38,7 +48,7 @@ _LAZY = {
     "AdaccConfig": "integrations.session",
     "prepare": "integrations.session",
     "profile_model": "profiler",
-    "Profile": "profiler",
+    "solve": "solver",
     "solve_policy": "solver",
     "predict": "solver",
     "parse_budget": "solver",
@@ -62,15 +72,22 @@ __all__ = [
     "AdaccError",
     "AdaccHandle",
     "AlreadyAppliedError",
+    "BudgetError",
+    "OpSpec",
     "Policy",
     "PolicyError",
+    "Profile",
     "UnsupportedModelError",
     "__version__",
     "activation_memory_report",
     "apply_adacc",
+    "attention_recompute_policy",
     "get_adapter",
+    "layer_type_policy",
     "measure_activation_memory",
     "peak_step_memory",
     "supported_model_types",
     "trace_model",
+    "uniform_policy",
+    "unwrap_model",
 ]

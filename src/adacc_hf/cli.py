@@ -58,8 +58,9 @@ def demo(args: argparse.Namespace) -> int:
     import torch
     from transformers import default_data_collator
 
-    from . import Policy, activation_memory_report, apply_adacc
     from .assets import load_smollm2, shakespeare_splits
+    from .runtime import apply_adacc, attention_recompute_policy, uniform_policy
+    from .runtime.memory import activation_memory_report
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -74,10 +75,10 @@ def demo(args: argparse.Namespace) -> int:
         f"{args.seq_len} tokens of Shakespeare, fp32, loaded in {time.perf_counter() - t0:.1f} s"
     )
     policies = {
-        "no checkpointing": Policy.uniform(model, "retain", batch),
-        "full recompute": Policy.uniform(model, "recompute", batch),
-        "attention-core recompute": Policy.attention_recompute(model, batch),
-        "uniform compression": Policy.uniform(model, "compress", batch),
+        "no checkpointing": uniform_policy(model, "retain", batch),
+        "full recompute": uniform_policy(model, "recompute", batch),
+        "attention-core recompute": attention_recompute_policy(model, batch),
+        "uniform compression": uniform_policy(model, "compress", batch),
     }
     print(
         f"\n{'policy':26s} {'MiB/block':>9s} {'blocks MiB':>10s} {'other MiB':>9s} {'vs none':>7s}"
@@ -146,7 +147,7 @@ def plan(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from . import get_adapter
+    from .adapters import get_adapter
     from .profiler import profile_model
     from .solver import describe_budget, estimate_static_memory, parse_budget, solve
 

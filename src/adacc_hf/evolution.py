@@ -11,15 +11,14 @@ into a copy of the `Profile`, which the solver turns into the next policy.
 from __future__ import annotations
 
 import copy
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .codecs import Codec, get_codec
-from .profiler import Profile
+from .codecs import Codec, get_codec, relative_error
+from .schema import Profile
 
 
 @dataclass
@@ -67,9 +66,13 @@ class _Sample:
 
 
 class OutlierTracker:
-    """Collects each profiled codec's encoded size and error on live activations of one forward."""
+    """Collects each profiled codec's encoded size and error on live activations of one forward.
 
-    def __init__(self, profile: Profile) -> None:
+    At most `max_samples` per op and codec are kept (a custom loop that never calls
+    ``session.step_done`` then stops paying for tracking once enough is measured)."""
+
+    def __init__(self, profile: Profile, max_samples: int = 256) -> None:
+        self.max_samples = max_samples
         self.codecs: dict[tuple[str, str], list[Codec]] = {}
         for g in profile.groups.values():
             for op in g.ops:
@@ -88,15 +91,12 @@ class OutlierTracker:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         for codec in codecs:
+            if len(self.samples[(group, key, codec.name)]) >= self.max_samples:
+                continue
             enc = getattr(encoded, "enc", None)
             if enc is None or enc.codec != codec.name:
                 enc = codec.encode(x)
-            dec = codec.decode(enc)
-            xf = x.float()
-            denom = float(xf.norm())
-            err = float((dec.float() - xf).norm()) / denom if denom else 0.0
-            if not math.isfinite(err):
-                err = math.inf
+            err = float(relative_error(x, codec.decode(enc)))
             self.samples[(group, key, codec.name)].append(
                 _Sample(enc.nbytes(), err, int(enc.meta.get("n_outliers", 0)))
             )

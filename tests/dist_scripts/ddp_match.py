@@ -21,7 +21,8 @@ from accelerate import Accelerator
 from common import global_rows, kinds, mean_over_ranks, mixed_budget, shard, write
 
 import adacc_hf
-from adacc_hf import Policy, assets
+from adacc_hf import assets
+from adacc_hf.policy.builders import random_mix
 
 
 def run(accel: Accelerator, phase: str, args: argparse.Namespace) -> None:
@@ -34,7 +35,9 @@ def run(accel: Accelerator, phase: str, args: argparse.Namespace) -> None:
         budget = mixed_budget(model, first, args.fraction)
         session = adacc_hf.prepare(model, budget, first, optimizer="adamw_torch", max_codec_error=0)
     elif phase == "compressed":  # a fixed mix with compression, whatever the CPU's timings
-        policy = Policy.random(model, first, seed=0, kinds=("retain", "recompute", "compress"))
+        policy = random_mix(
+            adacc_hf.trace_model(model, first), seed=0, kinds=("retain", "recompute", "compress")
+        )
         session = adacc_hf.prepare(model, policy=policy)
     opt = (torch.optim.SGD if args.optim == "sgd" else torch.optim.AdamW)(
         model.parameters(), lr=args.lr

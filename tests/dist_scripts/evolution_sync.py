@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from common import kinds, mixed_budget, write
 
 from adacc_hf import assets, profile_model
-from adacc_hf.integrations import distributed
+from adacc_hf.integrations.coordinator import Coordinator
 from adacc_hf.integrations.session import AdaccConfig, AdaccSession
 
 CODEC = "int4_naive"
@@ -48,12 +48,11 @@ def run(accel: Accelerator, phase: str, args: argparse.Namespace) -> None:
     cfg = AdaccConfig(
         budget=budget, codecs=[CODEC], adaptive=True, optimizer="sgd", max_codec_error=0.3
     )
-    session = distributed.attach(AdaccSession(model, cfg, profile=profile))
+    session = AdaccSession(model, cfg, profile=profile)  # coordinated across the ranks
     session.setup(batch)  # every rank runs rank 0's first policy
     first = session.policy
     if phase == "unsynced":
-        session.broadcast = session.gather = None
-        session.leader = True
+        session.coordinator = Coordinator()  # each rank decides alone
     session.on_step_begin(1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     ddp_model, opt = accel.prepare(model, opt)

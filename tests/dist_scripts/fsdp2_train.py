@@ -23,7 +23,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import adacc_hf
-from adacc_hf import Policy, assets
+from adacc_hf import assets
+from adacc_hf.policy.builders import random_mix
 
 
 def run(phase: str, args: argparse.Namespace) -> None:
@@ -33,7 +34,9 @@ def run(phase: str, args: argparse.Namespace) -> None:
     first = shard(global_rows(1, args.rows, args.seq_len, model.config), r, n)
     policy = None
     if phase == "compressed":
-        policy = Policy.random(model, first, seed=0, kinds=("retain", "recompute", "compress"))
+        policy = random_mix(
+            adacc_hf.trace_model(model, first), seed=0, kinds=("retain", "recompute", "compress")
+        )
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)

@@ -11,45 +11,16 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-# Layer types an op can have. The attention-core types are found by position inside an attention
-# module's own code (see `classify_attention_ops`); the others come from the adapter's role map.
-LAYER_TYPES: dict[str, str] = {
-    "norm": "LayerNorm / RMSNorm and its statistics",
-    "qkv": "query / key / value projections and rotary embedding",
-    "attn_scores": "attention scores (q @ k^T, scaled, masked, biased)",
-    "attn_probs": "attention probabilities (softmax output)",
-    "attn_dropout": "dropout on attention probabilities",
-    "attn_context": "attention context (probs @ v)",
-    "attn_fused": "fused attention kernel (SDPA flash / efficient)",
-    "attn_out": "attention output projection and head merge",
-    "mlp_up": "MLP up / gate projection",
-    "act": "MLP activation function",
-    "mlp_down": "MLP down projection",
-    "dropout": "dropout (hidden states)",
-    "elementwise": "residual adds, gating and other glue",
-}
+from ..schema import ATTENTION_CORE, CODEC_FOR_LAYER, LAYER_TYPES
 
-#: The attention core: what Megatron-style selective recompute recomputes.
-ATTENTION_CORE = frozenset(
-    {"attn_scores", "attn_probs", "attn_dropout", "attn_context", "attn_fused"}
-)
-
-#: Default codec per layer type (the paper's layer-specific codecs).
-CODEC_FOR_LAYER: dict[str, str] = {
-    "norm": "int4_outlier",
-    "qkv": "int4_channel",
-    "attn_scores": "int4_asym",
-    "attn_probs": "int4_asym",
-    "attn_dropout": "int4_asym",
-    "attn_context": "int4_channel",
-    "attn_fused": "int4_channel",
-    "attn_out": "int4_outlier",
-    "mlp_up": "int4_outlier",
-    "act": "int4_outlier",
-    "mlp_down": "int4_outlier",
-    "dropout": "int4_outlier",
-    "elementwise": "int4_outlier",
-}
+__all__ = [
+    "ATTENTION_CORE",
+    "CODEC_FOR_LAYER",
+    "LAYER_TYPES",
+    "Adapter",
+    "BlockGroup",
+    "classify_attention_ops",
+]
 
 # aten packets that start the attention core: the scores matmul (or a fused kernel).
 _MATMUL_PACKETS = frozenset({"bmm", "mm", "matmul", "baddbmm"})

@@ -19,8 +19,9 @@ def supported_model_types() -> list[str]:
     return sorted(_BY_MODEL_TYPE)
 
 
-def _base_model(model: nn.Module) -> nn.Module:
-    """Unwrap PEFT / DDP / compile wrappers down to the transformers model."""
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside PEFT, DDP, DeepSpeed, FSDP1 and `torch.compile` wrappers
+    (``get_base_model()``, ``.module``, ``._orig_mod``, repeatedly)."""
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
@@ -41,7 +42,7 @@ def get_adapter(model_or_type: nn.Module | str) -> Adapter:
     if isinstance(model_or_type, str):
         model_type = model_or_type
     else:
-        config = getattr(_base_model(model_or_type), "config", None)
+        config = getattr(unwrap_model(model_or_type), "config", None)
         model_type = getattr(config, "model_type", None)
         if model_type is None:
             raise UnsupportedModelError(

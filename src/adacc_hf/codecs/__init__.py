@@ -18,6 +18,8 @@ from .base import (
     available_codecs,
     get_codec,
     pack_int4,
+    payload_finite,
+    relative_error,
     unpack_int4,
 )
 from .dispatch import KernelError, kernel_mode, kernel_mode_override, set_kernel_mode
@@ -32,6 +34,8 @@ __all__ = [
     "kernel_mode",
     "kernel_mode_override",
     "pack_int4",
+    "payload_finite",
+    "relative_error",
     "set_kernel_mode",
     "unpack_int4",
 ]

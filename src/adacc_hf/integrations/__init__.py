@@ -1,14 +1,14 @@
-"""Wiring into HF Trainer, Accelerate and custom loops."""
+"""Wiring into HF Trainer, TRL, Accelerate and custom loops.
 
+Rooms: `session` (profile, solve, apply, evolve), `coordinator` (who decides across ranks),
+`sharding` (per-device static memory of sharded runs), `trainer` (callback, arguments, trainer),
+`card` (artifacts on disk, model card, config entry).
+"""
+
+from .card import read_artifacts, update_model_card, write_artifacts
+from .coordinator import Coordinator, DistributedCoordinator, coordinator_for_process
 from .session import AdaccConfig, AdaccEvent, AdaccSession, prepare
-from .trainer import (
-    AdaccCallback,
-    AdaccTrainer,
-    AdaccTrainingArguments,
-    policy_card_summary,
-    read_artifacts,
-    write_artifacts,
-)
+from .trainer import AdaccCallback, AdaccTrainer, AdaccTrainingArguments, run_config
 
 __all__ = [
     "AdaccCallback",
@@ -17,8 +17,12 @@ __all__ = [
     "AdaccSession",
     "AdaccTrainer",
     "AdaccTrainingArguments",
-    "policy_card_summary",
+    "Coordinator",
+    "DistributedCoordinator",
+    "coordinator_for_process",
     "prepare",
     "read_artifacts",
+    "run_config",
+    "update_model_card",
     "write_artifacts",
 ]

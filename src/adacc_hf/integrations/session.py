@@ -7,23 +7,34 @@ model's first training forward, which then profiles on that very batch.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..adapters.registry import _base_model
+from ..adapters import unwrap_model
 from ..codecs import CodecError, get_codec
 from ..errors import AdaccError
 from ..evolution import OutlierTracker, TrackingSchedule
 from ..policy import Policy
-from ..profiler import Profile, profile_model
+from ..policy.display import describe, metrics
+from ..profiler import profile_model
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.sharded import forwards_without_backward
+from ..schema import Profile
+from ..solver import (
+    HEADROOM,
+    estimate_static_memory,
+    parse_budget,
+    planned_budget,
+    predict,
+    solve_policy,
+)
+from .coordinator import Coordinator, coordinator_for_process
+from .sharding import sharding_from_model
 
 logger = logging.getLogger("adacc_hf")
 
@@ -50,8 +61,8 @@ class AdaccConfig:
     master_weights: bool = False  # fp32 copies of 16-bit parameters (DeepSpeed mixed precision)
     profile_repeats: int = 3
     # Fraction of the activation share of the budget (budget - static) the solver leaves free for
-    # batch-to-batch variation (padding masks change the op sequence) and fragmentation.
-    headroom: float = 0.03
+    # batch-to-batch variation (int4_outlier sizes vary by block and batch) and fragmentation.
+    headroom: float = HEADROOM
 
     def __post_init__(self) -> None:
         if not 0 <= self.headroom < 0.5:
@@ -92,11 +103,15 @@ class AdaccSession:
         *,
         policy: Policy | None = None,
         profile: Profile | None = None,
+        coordinator: Coordinator | None = None,
     ) -> None:
-        self.model = _base_model(model)
+        self.model = unwrap_model(model)
         self.config = config or AdaccConfig()
         self.policy = policy
         self.profile = profile
+        # Distributed runs: every rank profiles and tracks in lockstep; the coordinator's leader
+        # alone solves and decides, and every rank runs its policy.
+        self.coordinator = coordinator or coordinator_for_process()
         self.handle: AdaccHandle | None = None
         self.schedule = TrackingSchedule(self.config.max_tracking_interval)
         self.events: list[AdaccEvent] = []
@@ -105,12 +120,6 @@ class AdaccSession:
         self._hook: Any = None
         self._tracker: OutlierTracker | None = None
         self.step = 0
-        # Distributed runs (`integrations.distributed.attach`): every rank profiles and tracks in
-        # lockstep; only the leader solves and decides, `broadcast` hands its policy to every rank
-        # (called with None elsewhere), and `gather` merges every rank's tracking samples.
-        self.broadcast: Callable[[Policy | None], Policy] | None = None
-        self.gather: Callable[[OutlierTracker], OutlierTracker] | None = None
-        self.leader = True
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -118,8 +127,6 @@ class AdaccSession:
         return next(self.model.parameters()).device
 
     def _static(self) -> int:
-        from ..solver import estimate_static_memory
-
         c = self.config
         est = estimate_static_memory(
             self.model,
@@ -134,19 +141,13 @@ class AdaccSession:
         return est.total
 
     def solve(self, profile: Profile) -> Policy:
-        from ..solver import parse_budget, solve_policy
-        from ..solver.milp import min_budget
-
+        """The policy for `profile` under the session's budget (keeping `headroom` free)."""
         if self.budget_nbytes is None:
             self.budget_nbytes = parse_budget(self.config.budget, self.device)
         if self.static_nbytes is None:
             self.static_nbytes = self._static()
         c = self.config
-        # Keep `headroom` of the activation share free, unless only the whole budget fits.
-        share = self.budget_nbytes - self.static_nbytes
-        planned = self.budget_nbytes - int(max(0, share) * c.headroom)
-        if planned < min_budget(profile, self.static_nbytes):
-            planned = self.budget_nbytes
+        planned = planned_budget(self.budget_nbytes, self.static_nbytes, profile, c.headroom)
         policy = solve_policy(
             profile,
             planned,
@@ -161,19 +162,6 @@ class AdaccSession:
         policy.metadata["budget_nbytes"] = self.budget_nbytes
         policy.metadata["headroom"] = c.headroom
         return policy
-
-    def _shared(self, decide: Callable[[], Policy]) -> Policy:
-        """`decide()` on the leader, its result on every rank. A leader that fails still releases
-        the other ranks (they raise instead of waiting for a policy that never comes)."""
-        if self.broadcast is None:
-            return decide()
-        try:
-            policy = decide() if self.leader else None
-        except Exception:
-            with contextlib.suppress(Exception):
-                self.broadcast(None)
-            raise
-        return self.broadcast(policy)
 
     def setup(self, batch: Mapping[str, Any]) -> Policy:
         """Profile on `batch` (unless a policy was given), solve, and patch the model."""
@@ -190,18 +178,19 @@ class AdaccSession:
                         repeats=self.config.profile_repeats,
                     )
             profile = self.profile
-            policy = self._shared(lambda: self.solve(profile))
+            policy = self.coordinator.share(lambda: self.solve(profile))
         else:
             given = self.policy
-            policy = self._shared(lambda: given)
+            policy = self.coordinator.share(lambda: given)
         self.apply(policy)
         self.events.append(
-            AdaccEvent(self.step, "policy", policy, _describe(policy), _metrics(policy))
+            AdaccEvent(self.step, "policy", policy, describe(policy), metrics(policy))
         )
-        logger.info("adacc policy (%s):\n%s", _describe(policy), policy.table())
+        logger.info("adacc policy (%s):\n%s", describe(policy), policy.table())
         return policy
 
     def apply(self, policy: Policy) -> None:
+        self.model.__dict__["_adacc_session"] = self
         if self.handle is not None and self.handle.active:
             self.handle.set_policy(policy)
         else:
@@ -212,6 +201,7 @@ class AdaccSession:
         """Defer `setup` to the model's first training forward (which is profiled)."""
         if self._hook is not None or (self.handle is not None and self.handle.active):
             return
+        self.model.__dict__["_adacc_session"] = self
 
         def first_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not module.training:
@@ -252,8 +242,7 @@ class AdaccSession:
         if tracker is None or not self.active:
             return None
         self.handle.set_tracker(None)
-        if self.gather is not None:
-            tracker = self.gather(tracker)
+        tracker = self.coordinator.merge(tracker)
         new_profile, changes = tracker.apply(self.profile)
         self.profile = new_profile
 
@@ -261,7 +250,7 @@ class AdaccSession:
             new = self.solve(new_profile)
             return new if self._should_switch(new_profile, new) else self.policy
 
-        new_policy = self._shared(decide)
+        new_policy = self.coordinator.share(decide)
         changed = new_policy.fingerprint() != self.policy.fingerprint()
         self.schedule.advance(step, changed)
         if not changed:
@@ -269,19 +258,17 @@ class AdaccSession:
             self.events.append(event)
             return event
         self.apply(new_policy)
-        msg = f"switched policy at step {step}: {_describe(new_policy)}"
+        msg = f"switched policy at step {step}: {describe(new_policy)}"
         if changes:
             msg += "; " + "; ".join(changes[:5])
         logger.info("adacc %s", msg)
-        event = AdaccEvent(step, "switch", new_policy, msg, _metrics(new_policy))
+        event = AdaccEvent(step, "switch", new_policy, msg, metrics(new_policy))
         self.events.append(event)
         return event
 
     def _should_switch(self, profile: Profile, new: Policy) -> bool:
         """Switch when the current policy no longer fits the budget or uses a codec whose measured
         error is now above the limit, or when the new one is clearly (> 2 %) faster."""
-        from ..solver import predict
-
         if new.fingerprint() == self.policy.fingerprint():
             return False
         cur = predict(profile, self.policy, self.static_nbytes or 0)
@@ -319,6 +306,12 @@ class AdaccSession:
         if self.handle is not None:
             self.handle.set_tracker(None)
             self.handle.remove()
+        if self.model.__dict__.get("_adacc_session") is self:
+            del self.model.__dict__["_adacc_session"]
+
+    def restore_schedule(self, state: dict[str, Any]) -> None:
+        """Continue a saved tracking schedule (resume)."""
+        self.schedule = TrackingSchedule.from_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -328,37 +321,6 @@ class AdaccSession:
         }
 
 
-def _describe(policy: Policy) -> str:
-    pred = policy.metadata.get("predicted", {})
-    parts = [str(policy.metadata.get("source", "?"))]
-    if "peak_nbytes" in pred:
-        parts.append(f"predicted peak {pred['peak_nbytes'] / 2**30:.2f} GiB")
-    if "added_ms" in pred:
-        parts.append(f"+{pred['added_ms']:.1f} ms/step")
-    counts: dict[str, int] = {}
-    for g in policy.summary().values():
-        for k, v in g.items():
-            k = k.split(":")[0]
-            counts[k] = counts.get(k, 0) + v
-    parts.append(", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    return "; ".join(parts)
-
-
-def _metrics(policy: Policy) -> dict[str, float]:
-    pred = policy.metadata.get("predicted", {})
-    out: dict[str, float] = {}
-    for k in ("peak", "held", "transient"):
-        if isinstance(pred.get(f"{k}_nbytes"), (int, float)):
-            out[f"adacc/predicted_{k}_mib"] = pred[f"{k}_nbytes"] / 2**20
-    if isinstance(pred.get("added_ms"), (int, float)):
-        out["adacc/predicted_added_ms"] = float(pred["added_ms"])
-    for g in policy.summary().values():
-        for k, v in g.items():
-            name = f"adacc/{k.split(':')[0]}_ops"
-            out[name] = out.get(name, 0) + v
-    return out
-
-
 def prepare(
     model: nn.Module,
     budget: int | str = "auto",
@@ -366,21 +328,21 @@ def prepare(
     *,
     policy: Policy | str | None = None,
     codecs: Iterable[str] | None = None,
-    adaptive: bool = False,
+    adaptive: bool = True,
     **config: Any,
 ) -> AdaccSession:
     """Adacc for custom loops and Accelerate: profile, solve and patch `model`.
 
     With `sample_batch` this happens now; without, on the model's first training forward. A saved
-    `policy` (object or JSON path) skips profiling. With ``adaptive=True`` call
-    ``session.step_done(step)`` after each optimizer step. Undo with ``session.close()``.
+    `policy` (object or JSON path) skips profiling. With ``adaptive=True`` (the default, as in the
+    Trainer) call ``session.step_done(step)`` after each optimizer step: the rectifier re-measures
+    the codecs on tracking steps and switches policy when needed; ``adaptive=False`` keeps the
+    first policy. Undo with ``session.close()``.
 
     In a process group of several ranks, call it on every rank: all profile, rank 0 solves, and
     every rank runs (and later switches to) rank 0's policy. ZeRO-3 and FSDP2 sharding is read off
     the model's parameters unless `zero_stage` / `fsdp` / `world_size` are given.
     """
-    from .distributed import attach, sharding_from_model
-
     if isinstance(policy, str):
         policy = Policy.load(policy)
     if not config.keys() & {"zero_stage", "fsdp", "world_size", "offload_optimizer"}:
@@ -391,7 +353,7 @@ def prepare(
         adaptive=adaptive,
         **config,
     )
-    session = attach(AdaccSession(model, cfg, policy=policy))
+    session = AdaccSession(model, cfg, policy=policy)
     if sample_batch is not None:
         session.setup(sample_batch)
         session.on_step_begin(1)

@@ -1,10 +1,16 @@
-"""HF Trainer integration: `AdaccTrainingArguments`, the callback a plain `Trainer` picks up, and
-`AdaccTrainer` (logs, artifacts in checkpoints, resume, model card and config metadata)."""
+"""HF Trainer integration: `AdaccCallback`, `AdaccTrainingArguments` and `AdaccTrainer`.
+
+* ``Trainer(..., callbacks=[AdaccCallback(budget="20GiB")])`` works with any `TrainingArguments`
+  (TRL's configs included): the callback reads the optimizer, mixed precision and sharding off the
+  run's arguments.
+* ``Trainer(args=AdaccTrainingArguments(adacc=True, adacc_memory_budget="20GiB"))``: the same,
+  with the options on the command line (``--adacc --adacc_memory_budget 20GiB``).
+* `AdaccTrainer` adds log events for the policy and its switches, resume, and the model card.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -13,19 +19,127 @@ from typing import Any
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from .. import __version__
+from ..adapters import unwrap_model
 from ..errors import AdaccError, PolicyError
 from ..policy import Policy
-from ..profiler import Profile
-from .distributed import attach, sharding_from_trainer
+from .card import (
+    POLICY_FILE,
+    PROFILE_FILE,
+    STATE_FILE,
+    config_entry,
+    read_artifacts,
+    update_model_card,
+    write_artifacts,
+)
 from .session import AdaccConfig, AdaccSession
+from .sharding import sharding_from_trainer
 
 logger = logging.getLogger("adacc_hf")
 
-POLICY_FILE = "adacc_policy.json"
-PROFILE_FILE = "adacc_profile.json"
-STATE_FILE = "adacc_state.json"
-CALLBACK_NAME = "adacc"
+__all__ = [
+    "POLICY_FILE",
+    "PROFILE_FILE",
+    "STATE_FILE",
+    "AdaccCallback",
+    "AdaccTrainer",
+    "AdaccTrainingArguments",
+    "run_config",
+]
+
+#: The `report_to` name under which `AdaccTrainingArguments(adacc=True)` reaches a plain Trainer.
+INTEGRATION = "adacc"
+
+
+def run_config(config: AdaccConfig, args: TrainingArguments) -> AdaccConfig:
+    """`config` with what the run decides filled in from its arguments: the optimizer, mixed
+    precision, world size and sharding (per-device budgets divide sharded states)."""
+    mp = (
+        "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
+    )
+    fields = {
+        "optimizer": str(getattr(args.optim, "value", args.optim)),
+        "mixed_precision": mp,
+        "world_size": max(1, int(getattr(args, "world_size", 1) or 1)),
+        **sharding_from_trainer(args),
+    }
+    return dataclasses.replace(config, **fields)
+
+
+class AdaccCallback(TrainerCallback):
+    """Applies Adacc inside any `Trainer`: profiles the first training batch, solves, patches the
+    model, runs the rectifier on tracking steps, saves the policy with every checkpoint, restores it
+    on resume and undoes everything when training ends.
+
+    ``AdaccCallback(config)`` or ``AdaccCallback(budget="20GiB", ...)`` (any `AdaccConfig` field);
+    ``policy`` reuses a saved policy (object or ``adacc_policy.json`` path). With neither, the
+    options come from `AdaccTrainingArguments` when the run uses them.
+    """
+
+    def __init__(
+        self,
+        config: AdaccConfig | None = None,
+        *,
+        policy: Policy | str | None = None,
+        **options: Any,
+    ) -> None:
+        if config is not None and options:
+            raise AdaccError("give AdaccCallback either a config or options, not both")
+        self.config = AdaccConfig(**options) if options else config
+        self.policy = Policy.load(policy) if isinstance(policy, str) else policy
+        self.session: AdaccSession | None = None
+        self.resume_dir: str | None = None  # set by AdaccTrainer; else found from the state
+
+    def _config(self, args: TrainingArguments) -> AdaccConfig:
+        if self.config is not None:
+            return self.config
+        if isinstance(args, AdaccTrainingArguments):
+            return args.adacc_config()
+        return AdaccConfig()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            return
+        base = unwrap_model(model)
+        owner = base.__dict__.get("_adacc_session")
+        if owner is not None and owner is not self.session:
+            logger.info("adacc: the model already has an adacc session; this callback stands by")
+            return
+        policy, profile, sched = self.policy, None, {}
+        resume = self.resume_dir
+        if resume is None and state.global_step > 0:  # resumed: the checkpoint it came from
+            resume = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if resume is not None and os.path.isdir(resume):
+            saved, profile, st = read_artifacts(resume)
+            policy = saved or policy
+            sched = st.get("schedule", {})
+        if policy is None and isinstance(args, AdaccTrainingArguments) and args.adacc_policy:
+            policy = Policy.load(args.adacc_policy)
+        if self.session is not None:
+            self.session.close()
+        config = run_config(self._config(args), args)
+        self.session = AdaccSession(model, config, policy=policy, profile=profile)
+        if sched:
+            self.session.restore_schedule(sched)
+        self.session.attach()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.session is not None:
+            self.session.on_step_begin(state.global_step + 1)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.session is not None:
+            self.session.on_step_end(state.global_step)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.session is not None and state.is_world_process_zero:
+            ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            write_artifacts(ckpt, self.session)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.session is not None:
+            if state.is_world_process_zero:
+                write_artifacts(args.output_dir, self.session)
+            self.session.close()
 
 
 def _help(text: str) -> dict[str, str]:
@@ -54,11 +168,11 @@ class AdaccTrainingArguments(TrainingArguments):
         default=None,
         metadata=_help("A saved adacc_policy.json to reuse: skips profiling and solving."),
     )
-    adacc_codecs: str | None = field(
+    adacc_codecs: list[str] | None = field(
         default=None,
         metadata=_help(
-            "Comma-separated codecs the solver may use (default: each layer type's own codec). "
-            "E.g. 'int4_outlier,int4_channel,int4_asym,bitpack'."
+            "Codecs the solver may use (default: each layer type's own codec), e.g. "
+            "--adacc_codecs int4_outlier int4_channel int4_asym bitpack."
         ),
     )
     adacc_zscore_threshold: float = field(
@@ -85,7 +199,8 @@ class AdaccTrainingArguments(TrainingArguments):
     adacc_solver_time_limit: float = field(
         default=10.0,
         metadata=_help(
-            "Seconds the MILP solver may take before falling back to full recomputation."
+            "Seconds the MILP solver may search; then its best policy so far is used (with a "
+            "warning). If it has none, or the solver fails, full recomputation is used."
         ),
     )
     adacc_split_blocks: bool = field(
@@ -96,6 +211,9 @@ class AdaccTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.adacc_codecs is not None:  # also "a,b" (a YAML string, older command lines)
+            items = [self.adacc_codecs] if isinstance(self.adacc_codecs, str) else self.adacc_codecs
+            self.adacc_codecs = [c.strip() for i in items for c in str(i).split(",") if c.strip()]
         super().__post_init__()
         if not self.adacc:
             return
@@ -124,20 +242,16 @@ class AdaccTrainingArguments(TrainingArguments):
             except PolicyError as e:
                 raise AdaccError(f"adacc_policy: {e}") from None
         self.adacc_config()  # validates codecs and intervals
-        if CALLBACK_NAME not in self.report_to:
-            self.report_to = [*self.report_to, CALLBACK_NAME]
         if self.ddp_find_unused_parameters is None:
             # Checkpointed blocks re-run in backward; DDP must not look for unused parameters.
             self.ddp_find_unused_parameters = False
+        _enable_integration(self)
 
     def adacc_config(self) -> AdaccConfig:
-        codecs = None
-        if self.adacc_codecs:
-            codecs = [c.strip() for c in self.adacc_codecs.split(",") if c.strip()]
-        mp = "bf16" if self.bf16 else "fp16" if self.fp16 else None
+        """The `AdaccConfig` these options describe (run-dependent fields: see `run_config`)."""
         return AdaccConfig(
             budget=self.adacc_memory_budget,
-            codecs=codecs,
+            codecs=list(self.adacc_codecs) if self.adacc_codecs else None,
             zscore_threshold=self.adacc_zscore_threshold,
             adaptive=self.adacc_adaptive,
             max_tracking_interval=self.adacc_max_tracking_interval,
@@ -145,149 +259,67 @@ class AdaccTrainingArguments(TrainingArguments):
             solver_time_limit=self.adacc_solver_time_limit,
             max_codec_error=self.adacc_max_codec_error,
             split_blocks=self.adacc_split_blocks,
-            optimizer=str(getattr(self.optim, "value", self.optim)),
-            mixed_precision=mp,
-            world_size=max(1, self.world_size),
         )
 
+    # The integration name is in `report_to` only while the object lives in this process: what
+    # is logged, JSON-serialised or pickled (`training_args.bin`) shows the user's `report_to`.
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if isinstance(d.get("report_to"), list):
+            d["report_to"] = [r for r in d["report_to"] if r != INTEGRATION]
+        return d
 
-def write_artifacts(directory: str, session: AdaccSession) -> None:
-    """Policy, profile and tracking state of `session` into `directory`."""
-    os.makedirs(directory, exist_ok=True)
-    if session.policy is not None:
-        session.policy.save(os.path.join(directory, POLICY_FILE))
-    if session.profile is not None:
-        with open(os.path.join(directory, PROFILE_FILE), "w", encoding="utf-8") as f:
-            f.write(session.profile.to_json() + "\n")
-    with open(os.path.join(directory, STATE_FILE), "w", encoding="utf-8") as f:
-        json.dump(session.state_dict(), f, indent=2, sort_keys=True)
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if isinstance(state.get("report_to"), list):
+            state["report_to"] = [r for r in state["report_to"] if r != INTEGRATION]
+        return state
 
-
-def read_artifacts(directory: str) -> tuple[Policy | None, Profile | None, dict[str, Any]]:
-    """What `write_artifacts` wrote (missing files give None / {})."""
-    policy = profile = None
-    state: dict[str, Any] = {}
-    path = os.path.join(directory, POLICY_FILE)
-    if os.path.exists(path):
-        policy = Policy.load(path)
-    path = os.path.join(directory, PROFILE_FILE)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            profile = Profile.from_json(f.read())
-    path = os.path.join(directory, STATE_FILE)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
-    return policy, profile, state
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if getattr(self, "adacc", False):
+            _enable_integration(self)
 
 
-class AdaccCallback(TrainerCallback):
-    """Applies Adacc inside any `Trainer` whose args are `AdaccTrainingArguments(adacc=True)`."""
+def _enable_integration(args: AdaccTrainingArguments) -> None:
+    """Let a plain `Trainer` built with these arguments add `AdaccCallback` itself.
 
-    def __init__(self) -> None:
-        self.session: AdaccSession | None = None
-        self.resume_dir: str | None = None  # set by AdaccTrainer on resume
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if not getattr(args, "adacc", False) or model is None:
-            return
-        policy = profile = None
-        sched: dict[str, Any] = {}
-        if self.resume_dir is not None:
-            policy, profile, st = read_artifacts(self.resume_dir)
-            sched = st.get("schedule", {})
-        if policy is None and args.adacc_policy:
-            policy = Policy.load(args.adacc_policy)
-        if self.session is not None:
-            self.session.close()
-        # Per-device budget: the static memory model divides sharded states by the world size.
-        config = dataclasses.replace(args.adacc_config(), **sharding_from_trainer(args))
-        self.session = AdaccSession(model, config, policy=policy, profile=profile)
-        if sched:
-            from ..evolution import TrackingSchedule
-
-            self.session.schedule = TrackingSchedule.from_state_dict(sched)
-        attach(self.session)  # distributed: rank 0's policy and switch decisions on every rank
-        self.session.attach()
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self.session is not None:
-            self.session.on_step_begin(state.global_step + 1)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.session is not None:
-            self.session.on_step_end(state.global_step)
-
-    def on_save(self, args, state, control, **kwargs):
-        if self.session is not None and state.is_world_process_zero:
-            ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            write_artifacts(ckpt, self.session)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.session is not None:
-            if state.is_world_process_zero:
-                write_artifacts(args.output_dir, self.session)
-            self.session.close()
-
-
-def _register_callback() -> None:
-    """Let `report_to=["adacc"]` (added by `AdaccTrainingArguments`) resolve to the callback."""
+    A `Trainer` builds its callbacks from ``report_to`` names only, so adacc joins those names
+    (registered when the first adacc-enabled arguments are created, never at import)."""
     from transformers.integrations import integration_utils
 
-    integration_utils.INTEGRATION_TO_CALLBACK.setdefault(CALLBACK_NAME, AdaccCallback)
-
-
-_register_callback()
-
-
-def policy_card_summary(policy: Policy) -> dict[str, Any]:
-    """The `adacc` entry written to model cards and config.json."""
-    meta = policy.metadata
-    return {
-        "library": "adacc-hf",
-        "library_version": __version__,
-        "policy_fingerprint": policy.fingerprint(),
-        "source": meta.get("source"),
-        "budget": meta.get("budget_spec"),
-        "budget_bytes": meta.get("budget_nbytes"),
-        "predicted": meta.get("predicted"),
-        "actions": policy.summary(),
-        "per_op": {
-            name: {
-                f"variant{i}": {k: str(a) for k, a in sorted(v.actions.items())}
-                if v.checkpoint
-                else "no_checkpoint"
-                for i, v in enumerate(g.variants)
-            }
-            for name, g in sorted(policy.groups.items())
-        },
-    }
+    integration_utils.INTEGRATION_TO_CALLBACK.setdefault(INTEGRATION, AdaccCallback)
+    if INTEGRATION not in args.report_to:
+        args.report_to = [*args.report_to, INTEGRATION]
 
 
 class AdaccTrainer(Trainer):
-    """`Trainer` with the whole Adacc experience: policy table and switches as log events,
-    artifacts in every checkpoint, resume, and the policy in the model card and config.json."""
+    """`Trainer` with the whole Adacc experience: the policy table and every switch as log events,
+    artifacts in every checkpoint, resume, and the policy in the model card and ``config.json``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(self.args, AdaccTrainingArguments):
-            raise AdaccError("AdaccTrainer needs AdaccTrainingArguments")
         self._adacc_cb = next(
             (c for c in self.callback_handler.callbacks if isinstance(c, AdaccCallback)), None
         )
-        if self._adacc_cb is None and self.args.adacc:
-            self._adacc_cb = AdaccCallback()
-            self.add_callback(self._adacc_cb)
+        if self._adacc_cb is None:
+            if not isinstance(self.args, AdaccTrainingArguments):
+                raise AdaccError(
+                    "AdaccTrainer needs AdaccTrainingArguments or callbacks=[AdaccCallback(...)]"
+                )
+            if self.args.adacc:
+                self._adacc_cb = AdaccCallback()
+                self.add_callback(self._adacc_cb)
 
     @property
     def adacc_session(self) -> AdaccSession | None:
         return self._adacc_cb.session if self._adacc_cb is not None else None
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        path = resume_from_checkpoint
+        if path is True:
+            path = get_last_checkpoint(self.args.output_dir)
         if self._adacc_cb is not None:
-            path = resume_from_checkpoint
-            if path is True:
-                path = get_last_checkpoint(self.args.output_dir)
             self._adacc_cb.resume_dir = path if isinstance(path, str) else None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -304,7 +336,7 @@ class AdaccTrainer(Trainer):
             if event.kind == "track":
                 continue
             if event.policy is not None and self.is_world_process_zero():
-                logger.warning(
+                logger.info(
                     "adacc %s at step %d:\n%s",
                     event.kind,
                     event.step,
@@ -314,11 +346,10 @@ class AdaccTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         session = self.adacc_session
+        policy = session.policy if session is not None else None
         model = self.accelerator.unwrap_model(self.model) if self.accelerator else self.model
-        config = getattr(model, "config", None)
-        if session is not None and session.policy is not None and config is not None:
-            config.adacc = policy_card_summary(session.policy)
-        super().save_model(output_dir, _internal_call)
+        with config_entry(getattr(model, "config", None), policy):
+            super().save_model(output_dir, _internal_call)
         if session is not None and self.args.should_save:
             write_artifacts(output_dir or self.args.output_dir, session)
 
@@ -327,11 +358,4 @@ class AdaccTrainer(Trainer):
         session = self.adacc_session
         if session is None or session.policy is None or not self.is_world_process_zero():
             return
-        from huggingface_hub import ModelCard
-
-        path = os.path.join(self.args.output_dir, "README.md")
-        if not os.path.exists(path):
-            return
-        card = ModelCard.load(path)
-        card.data.adacc = policy_card_summary(session.policy)
-        card.save(path)
+        update_model_card(self.args.output_dir, session.policy)

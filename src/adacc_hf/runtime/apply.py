@@ -6,8 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from ..adapters import get_adapter
-from ..adapters.registry import _base_model
+from ..adapters import get_adapter, unwrap_model
 from ..errors import AdaccError, AlreadyAppliedError
 from ..policy import Policy
 from .checkpoint import BlockRuntime
@@ -112,7 +111,7 @@ def apply_adacc(model: nn.Module, policy: Policy) -> AdaccHandle:
 
     Works on plain transformers models and on PEFT-wrapped ones; patches only this instance.
     """
-    base = _base_model(model)
+    base = unwrap_model(model)
     existing = base.__dict__.get(_HANDLE_ATTR)
     if existing is not None and existing.active:
         raise AlreadyAppliedError(

@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
-from ..codecs import Codec, Encoded, get_codec
+from ..codecs import Codec, Encoded, get_codec, payload_finite
 from ..errors import PolicyError
-from ..policy import Action, Variant
+from ..schema import Action, Variant
 from .ops import (
     OpKeyer,
     RegionTracker,
@@ -64,11 +64,6 @@ def _nbytes(entry: Any) -> int:
     if isinstance(entry, (tuple, list)):
         return sum(_nbytes(e) for e in entry)
     return 0
-
-
-def _finite(enc: Encoded) -> bool:
-    """True when every float payload tensor (scales, offsets, exact outliers) is finite."""
-    return all(bool(torch.isfinite(t).all()) for t in enc.tensors.values() if t.is_floating_point())
 
 
 def _unpack(entry: Any) -> Any:
@@ -140,7 +135,7 @@ class BlockRuntime:
         def enc(t: torch.Tensor) -> Any:
             if t.dtype in _FLOATS:
                 encoded = codec.encode(t)
-                if not _finite(encoded):
+                if not payload_finite(encoded):
                     # inf / NaN inputs (e.g. -inf attention masks) cannot be quantised: keep this
                     # output exact rather than corrupt the gradients.
                     self.note_fallback(key, codec.name)

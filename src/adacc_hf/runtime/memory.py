@@ -20,8 +20,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..adapters import get_adapter
-from ..adapters.registry import _base_model
+from ..adapters import get_adapter, unwrap_model
 from .ops import is_keyed, tensor_outputs
 from .sharded import forwards_without_backward
 
@@ -58,7 +57,7 @@ class _StorageRecorder(TorchDispatchMode):
 
 def activation_memory_report(model: nn.Module, batch: Mapping[str, Any]) -> ActivationMemory:
     """Run `model(**batch)` and report what its autograd graph holds before backward."""
-    base = _base_model(model)
+    base = unwrap_model(model)
     blocks = get_adapter(base).find_blocks(base)
     rec = _StorageRecorder()
     handles = []

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..adapters import Adapter, BlockGroup, get_adapter
-from ..adapters.registry import _base_model
-from ..policy import OpSpec
+from ..adapters import Adapter, BlockGroup, get_adapter, unwrap_model
+from ..schema import BlockTrace, ModelTrace, OpSpec
 from .ops import (
     OpKeyer,
     RegionTracker,
@@ -28,27 +27,11 @@ from .sharded import forwards_without_backward
 
 
 @dataclass
-class BlockTrace:
-    group: str
-    path: str  # the block that was traced
-    num_blocks: int
-    input_nbytes: int
-    ops: list[OpSpec] = field(default_factory=list)
-
-
-@dataclass
-class ModelTrace:
-    model_type: str
-    adapter: str
-    adapter_version: int
-    groups: dict[str, BlockTrace]
-
-
-@dataclass
 class _Rec:
     key: str
     region: str
     packet: str
+    aten: str
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
@@ -95,6 +78,7 @@ class _Recorder(TorchDispatchMode):
             key=key,
             region=region,
             packet=packet,
+            aten=str(func),
             shape=tuple(first.shape),
             dtype=str(first.dtype),
             nbytes=sum(t.numel() * t.element_size() for t in tensors),
@@ -129,14 +113,14 @@ def dummy_batch(model: nn.Module, batch_size: int = 1, seq_len: int = 16) -> dic
     return batch
 
 
-def _model_kwargs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+def model_kwargs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
     kwargs = dict(batch)
     if getattr(model.config, "use_cache", False) or "use_cache" in kwargs:
         kwargs["use_cache"] = False  # as the Trainer trains: no KV cache copies
     return kwargs
 
 
-def _devices(model: nn.Module) -> list[int]:
+def devices_of(model: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
 
@@ -164,7 +148,7 @@ def run_representatives(
     arguments a checkpointed block sees in training. The forward stops after the last visit.
     """
     adapter = get_adapter(model)
-    base = _base_model(model)
+    base = unwrap_model(model)
     groups = adapter.block_groups(base)
     if not groups:
         raise ValueError(f"found no transformer blocks in {type(base).__name__}")
@@ -192,10 +176,10 @@ def run_representatives(
         with (
             forwards_without_backward(base),
             train_mode(base),
-            torch.random.fork_rng(devices=_devices(base)),
+            torch.random.fork_rng(devices=devices_of(base)),
             contextlib.suppress(_TraceDone),
         ):
-            base(**_model_kwargs(base, batch))
+            base(**model_kwargs(base, batch))
     finally:
         for block, attrs in saved_attrs:
             for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
@@ -243,6 +227,7 @@ def record_block(
             nbytes=r.nbytes,
             saved=r.saved,
             cacheable=not (r.mutated or r.random),
+            aten=r.aten,
         )
         for r, t in zip(rec.recs, types, strict=True)
     ]
@@ -274,5 +259,5 @@ def trace_model(model: nn.Module, batch: Mapping[str, Any] | None = None) -> Mod
 
     run_representatives(model, batch, visit)
     adapter = get_adapter(model)
-    base = _base_model(model)
+    base = unwrap_model(model)
     return ModelTrace(base.config.model_type, adapter.name, adapter.version, traces)

@@ -1,23 +1,31 @@
-"""The policy solver: memory budgets, the static memory model, and the MILP.
+"""The policy solver: budgets, the static memory model, the cost model and the MILP.
 
-budget = parse_budget("20GiB")                      # or "80%", "auto", bytes
-static = estimate_static_memory(model, optimizer="adamw_torch")
-policy = solve_policy(profile, budget, static_nbytes=static.total)
-predict(profile, policy, static.total).peak_nbytes  # the cost model's view of any policy
+    budget = parse_budget("20GiB")                      # or "80%", "auto", bytes
+    static = estimate_static_memory(model, optimizer="adamw_torch")
+    policy = solve_policy(profile, budget, static_nbytes=static.total)
+    predict(profile, policy, static.total).peak_nbytes  # the cost model's view of any policy
+
+Rooms: `budget` (specs -> bytes), `static` (parameters, gradients, optimizer states),
+`cost_model` (bytes, time and peak of any policy), `milp` (the LP), `realise` (counts -> policy),
+`plan` (`solve`: the whole request).
 """
 
 from .budget import describe_budget, parse_budget
-from .milp import Prediction, Solution, predict, solve, solve_policy
+from .cost_model import HEADROOM, Prediction, min_budget, planned_budget, predict
+from .plan import Solution, solve, solve_policy
 from .static import StaticMemory, estimate_static_memory, measured_static_memory
 
 __all__ = [
+    "HEADROOM",
     "Prediction",
     "Solution",
     "StaticMemory",
     "describe_budget",
     "estimate_static_memory",
     "measured_static_memory",
+    "min_budget",
     "parse_budget",
+    "planned_budget",
     "predict",
     "solve",
     "solve_policy",

@@ -1,112 +1,20 @@
-"""Distributed runs (DDP, DeepSpeed ZeRO, FSDP2): one policy on every rank, switches in lockstep.
+"""Sharding read off a run, for the static memory model (per-device budgets).
 
-* Every rank profiles: under ZeRO-3 and FSDP the profiling forwards all-gather parameters, so all
-  ranks must run them together. Only rank 0 solves; `broadcast_policy` hands its policy to the
-  others, so every rank runs the same policy (same `Policy.fingerprint()`).
-* Evolution: tracking steps follow a schedule that depends only on the step and on past switches,
-  so every rank tracks at the same steps. `gather_tracker` merges every rank's samples (in rank
-  order) so all ranks fold the same statistics into their profile; rank 0 alone decides whether to
-  switch and broadcasts the result, so all ranks switch at the same step.
-* The memory budget is per device. `sharding_from_trainer` / `sharding_from_model` fill the
-  `AdaccConfig` fields the static memory model needs (ZeRO stage, FSDP, world size, optimizer
-  offload, DeepSpeed's fp32 master weights).
-
-`attach(session)` wires a session; it does nothing outside an initialised process group of two
-or more ranks. `AdaccCallback` and `adacc_hf.prepare` call it.
+`sharding_from_trainer` / `sharding_from_accelerate` / `sharding_from_model` return the
+`AdaccConfig` fields that matter (ZeRO stage, FSDP, world size, optimizer offload, DeepSpeed's fp32
+master weights) as `dataclasses.replace` keywords; empty when nothing is sharded.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
-from ..errors import AdaccError
-from ..policy import Policy
+from .coordinator import world_size
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..evolution import OutlierTracker
-    from .session import AdaccSession
-
-__all__ = [
-    "attach",
-    "broadcast_policy",
-    "gather_tracker",
-    "is_distributed",
-    "rank",
-    "sharding_from_accelerate",
-    "sharding_from_model",
-    "sharding_from_trainer",
-    "world_size",
-]
-
-
-def is_distributed() -> bool:
-    """True inside an initialised `torch.distributed` process group of two or more ranks."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
-
-
-def _device() -> torch.device | None:
-    """Where object collectives stage their bytes: the current GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-def broadcast_policy(policy: Policy | None, src: int = 0) -> Policy:
-    """Rank `src`'s policy on every rank (other ranks pass None). Outside a process group: identity.
-
-    If rank `src` has no policy (it failed to solve), every rank raises `AdaccError` instead of
-    waiting forever.
-    """
-    if not is_distributed():
-        if policy is None:
-            raise AdaccError("no policy to broadcast")
-        return policy
-    me = dist.get_rank()
-    payload: list[Any] = [policy.to_json() if me == src and policy is not None else None]
-    dist.broadcast_object_list(payload, src=src, device=_device())
-    text = payload[0]
-    if text is None:
-        raise AdaccError(f"rank {src} has no adacc policy to share (see its error above)")
-    return policy if me == src and policy is not None else Policy.from_json(text)
-
-
-def gather_tracker(tracker: OutlierTracker) -> OutlierTracker:
-    """`tracker` with every rank's samples (rank order), identical on every rank."""
-    if not is_distributed():
-        return tracker
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dict(tracker.samples))  # NCCL: the current GPU
-    tracker.samples.clear()
-    for samples in gathered:
-        for key, values in samples.items():
-            tracker.samples[key].extend(values)
-    return tracker
-
-
-def attach(session: AdaccSession, src: int = 0) -> AdaccSession:
-    """Make `session` share rank `src`'s policy and decisions (no-op outside a process group)."""
-    if not is_distributed():
-        return session
-    session.leader = dist.get_rank() == src
-    session.broadcast = lambda policy: broadcast_policy(policy, src)
-    session.gather = gather_tracker
-    return session
-
-
-# ------------------------------------------------------------------------------ sharding
+__all__ = ["sharding_from_accelerate", "sharding_from_model", "sharding_from_trainer"]
 
 
 def _zero_fields(ds_config: dict[str, Any], n: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Budget sweeps: solve a model's policy over a range of budgets and measure each one.
+"""Budget sweeps (benchmarks and tests): solve a model's policy over a range of budgets and measure each one.
 
 The measured activation memory (`activation_memory_report`) is independent of the solver's
 prediction, so a sweep checks the memory model end to end.
@@ -12,8 +12,10 @@ from typing import Any
 
 from torch import nn
 
-from .milp import HEADROOM, min_budget, planned_budget, solve
-from .static import estimate_static_memory
+from adacc_hf.profiler import profile_model
+from adacc_hf.runtime import apply_adacc
+from adacc_hf.runtime.memory import activation_memory_report
+from adacc_hf.solver import HEADROOM, estimate_static_memory, min_budget, planned_budget, solve
 
 
 @dataclass
@@ -43,10 +45,6 @@ def budget_sweep(
 ) -> list[SweepRow]:
     """Budgets from the smallest feasible one to the no-checkpointing need, `points` steps; each
     solved with the same `headroom` the Trainer integration keeps."""
-    from ..profiler import profile_model
-    from ..runtime import apply_adacc
-    from ..runtime.memory import activation_memory_report
-
     static = estimate_static_memory(model, optimizer=optimizer).total
     profile = profile_model(model, batch, repeats=repeats)
     low = min_budget(profile, static)

@@ -1,0 +1,134 @@
+"""Realisation: the solver's integer counts turned into a `Policy` (variants of blocks).
+
+For a group with ``K`` checkpointed blocks and, per op, ``y[a]`` blocks applying action ``a``,
+block ``j < K`` applies the ``j``-th action in the order of the op's cumulative counts; runs of
+blocks with equal action tables share one variant, and the ``N - K`` blocks without checkpointing
+form the last one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..policy import Policy
+from ..schema import RECOMPUTE, GroupPolicy, Profile, Variant
+from .cost_model import GroupModel, predict
+
+
+@dataclass
+class Solution:
+    """A solved policy and the numbers the cost model predicts for it."""
+
+    policy: Policy
+    status: str  # "optimal", "feasible" (time limit), "fits" (no checkpointing), "fallback"
+    solver: str
+    solve_ms: float
+    budget_nbytes: int
+    static_nbytes: int
+    held_nbytes: int  # activation bytes held for backward (all blocks + outside them)
+    transient_nbytes: int
+    peak_nbytes: int  # static + held + transient
+    added_ms: float  # extra time per step vs no checkpointing (the objective, no tie-breaker)
+    min_budget_nbytes: int  # the smallest budget any policy fits in
+    checkpointed: dict[str, int] = field(default_factory=dict)  # K_g per group
+    counts: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # g -> op -> a -> y
+
+
+def full_recompute_counts(groups: list[GroupModel]) -> tuple[dict[str, int], dict]:
+    ks = {gm.name: gm.prof.num_blocks for gm in groups}
+    counts = {
+        gm.name: {op.key: {"recompute": gm.prof.num_blocks} for op, _ in gm.ops} for gm in groups
+    }
+    return ks, counts
+
+
+def variants(gm: GroupModel, k: int, counts: dict[str, dict[str, int]]) -> list[Variant]:
+    """Block j < K applies, per op, the j-th action in the order of its cumulative counts."""
+    blocks: list[tuple[str, ...]] = []
+    for j in range(k):
+        labels = []
+        for op, choices in gm.ops:
+            acc = 0
+            for c in choices:
+                acc += counts[op.key].get(c.label, 0)
+                if j < acc:
+                    labels.append(c.label)
+                    break
+            else:
+                labels.append("recompute")
+        blocks.append(tuple(labels))
+    by_label = {(op.key, c.label): c.action for op, cs in gm.ops for c in cs}
+    variants: list[Variant] = []
+    for j, labels in enumerate(blocks):
+        if j and labels == blocks[j - 1]:
+            variants[-1].count += 1
+            continue
+        actions = {op.key: RECOMPUTE for op in gm.prof.ops}
+        for (op, _), label in zip(gm.ops, labels, strict=True):
+            actions[op.key] = by_label.get((op.key, label), RECOMPUTE)
+        variants.append(Variant(1, True, actions))
+    if gm.prof.num_blocks - k > 0 or not variants:
+        variants.append(Variant(gm.prof.num_blocks - k, False, {}))
+    return variants
+
+
+def policy_from_counts(
+    profile: Profile, groups: list[GroupModel], ks: dict[str, int], counts: dict
+) -> Policy:
+    return Policy(
+        model_type=profile.model_type,
+        adapter=profile.adapter,
+        adapter_version=profile.adapter_version,
+        groups={
+            gm.name: GroupPolicy(
+                ops=[op.spec() for op in gm.prof.ops],
+                variants=variants(gm, ks[gm.name], counts[gm.name]),
+                input_nbytes=gm.prof.input_nbytes,
+            )
+            for gm in groups
+        },
+    )
+
+
+def solve_metadata(
+    profile: Profile, sol: Solution, spec: str, how: str, split_blocks: bool
+) -> dict[str, Any]:
+    pred = predict(profile, sol.policy, sol.static_nbytes)
+    per_group: dict[str, list[dict[str, Any]]] = {}
+    for name, gp in sol.policy.groups.items():
+        blocks, i, rows = pred.per_block[name], 0, []
+        for v in gp.variants:
+            rows.append(
+                {
+                    "count": v.count,
+                    "checkpoint": v.checkpoint,
+                    "held_nbytes_per_block": blocks[i] if v.count else 0,
+                }
+            )
+            i += v.count
+        per_group[name] = rows
+    return {
+        "source": "milp",
+        "solver": sol.solver,
+        "status": sol.status,
+        "solve_ms": round(sol.solve_ms, 3),
+        "split_blocks": split_blocks,
+        "budget_nbytes": sol.budget_nbytes,
+        "budget_spec": spec,
+        "budget_how": how,
+        "static_nbytes": sol.static_nbytes,
+        "predicted": {
+            "held_nbytes": sol.held_nbytes,
+            "groups": per_group,
+            "transient_nbytes": sol.transient_nbytes,
+            "peak_nbytes": sol.peak_nbytes,
+            "added_ms": sol.added_ms,
+            "min_budget_nbytes": sol.min_budget_nbytes,
+        },
+        "profile": {
+            "device": profile.device,
+            "dtype": profile.dtype,
+            "batch_shape": profile.batch_shape,
+        },
+    }
