@@ -1,76 +1,110 @@
-"""Budget sweeps (benchmarks and tests): solve a model's policy over a range of budgets and measure each one.
+"""Budget sweeps (benchmarks and tests): the step peak the plan predicts against the one measured.
 
-The measured activation memory (`activation_memory_report`) is independent of the solver's
-prediction, so a sweep checks the memory model end to end.
+For budgets from the least any policy needs (full recomputation's step peak) to the peak without
+checkpointing, a session plans the run's batches as training would (one plan per bucket of
+shapes, under the run's autocast, with the run's optimizer), and every batch's training step is
+measured with `adacc_hf.measure_step_peak` (live storages on CPU, the allocator on CUDA) —
+independently of the prediction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
-from adacc_hf.profiler import profile_model
-from adacc_hf.runtime import apply_adacc
-from adacc_hf.runtime.memory import activation_memory_report
-from adacc_hf.solver import HEADROOM, estimate_static_memory, min_budget, planned_budget, solve
+from adacc_hf import measure_step_peak, profile_model
+from adacc_hf.integrations.config import AdaccConfig
+from adacc_hf.integrations.session import AdaccSession
+from adacc_hf.policy.display import totals
+from adacc_hf.solver import budget_between, estimate_static_memory
+
+MIXED = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
-class SweepRow:
+class StepRow:
+    """One measured training step of a sweep."""
+
     budget_nbytes: int
-    share_nbytes: int  # budget - static - transient: what activations may hold
-    predicted_nbytes: int
+    shape: list[int]  # the batch's micro-batch size and lengths
+    bucket: list[int]  # the bucket it was planned in
+    predicted_nbytes: int  # the plan's predicted step peak (for the bucket's edge)
     measured_nbytes: int
+    moment: str  # the moment the prediction says sets the peak
     added_ms: float
-    checkpointed_blocks: int
-    status: str
     actions: dict[str, int] = field(default_factory=dict)
+    unknown_ops: int = 0
 
     @property
     def error(self) -> float:
         return (self.measured_nbytes - self.predicted_nbytes) / self.predicted_nbytes
 
+    @property
+    def at_edge(self) -> bool:
+        """The batch is as long as its bucket's edge (the prediction is for exactly this shape)."""
+        return self.shape == self.bucket
+
+
+def _shape(batch: Mapping[str, Any]) -> list[int]:
+    t = next(v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2)
+    return [int(t.shape[0]), int(t.shape[1])]
+
 
 def budget_sweep(
-    model: nn.Module,
-    batch: Mapping[str, Any],
-    points: int = 6,
+    make_model: Callable[[], nn.Module],
+    batches: Sequence[Mapping[str, Any]],
+    points: int = 5,
     *,
     optimizer: str = "adamw_torch",
-    repeats: int = 3,
-    headroom: float = HEADROOM,
-) -> list[SweepRow]:
-    """Budgets from the smallest feasible one to the no-checkpointing need, `points` steps; each
-    solved with the same `headroom` the Trainer integration keeps."""
-    static = estimate_static_memory(model, optimizer=optimizer).total
-    profile = profile_model(model, batch, repeats=repeats)
-    low = min_budget(profile, static)
-    high = static + profile.no_checkpoint_nbytes() + profile.nonblock_transient_nbytes
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    autocast: torch.dtype | None = None,
+    repeats: int = 1,
+) -> list[StepRow]:
+    """For `points` budgets between the least and no checkpointing of the longest batch (what full
+    recomputation needs for it, up to what no checkpointing needs), train one step on each batch
+    of `batches` in turn (the first plans and the others plan their own buckets as they come) and
+    measure each step's peak. A fresh model (`make_model`) and optimizer per budget keep the runs
+    independent."""
+    make_optimizer = make_optimizer or (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4))
+    model = make_model()
+    static = estimate_static_memory(model, optimizer=optimizer, mixed_precision=MIXED.get(autocast))
+    longest = max(batches, key=lambda b: _shape(b)[0] * _shape(b)[1])
+    first = profile_model(model, longest, repeats=repeats, autocast=autocast)
     rows = []
     for i in range(points + 1):
-        budget = int(low + (high - low) * i / points)
-        sol = solve(
-            profile, planned_budget(budget, static, profile, headroom), static_nbytes=static
+        budget = budget_between(first, static, i / points)
+        model = make_model().train()
+        opt = make_optimizer(model)
+        config = AdaccConfig(
+            budget=budget,
+            optimizer=optimizer,
+            mixed_precision=MIXED.get(autocast),
+            adaptive=False,
+            profile_repeats=repeats,
         )
-        with apply_adacc(model, sol.policy):
-            measured = activation_memory_report(model, batch).total
-        kinds: dict[str, int] = {}
-        for g in sol.policy.summary().values():
-            for k, v in g.items():
-                kinds[k.split(":")[0]] = kinds.get(k.split(":")[0], 0) + v
-        rows.append(
-            SweepRow(
-                budget_nbytes=budget,
-                share_nbytes=budget - static - sol.transient_nbytes,
-                predicted_nbytes=sol.held_nbytes,
-                measured_nbytes=measured,
-                added_ms=sol.added_ms,
-                checkpointed_blocks=sum(sol.checkpointed.values()),
-                status=sol.status,
-                actions=kinds,
+        session = AdaccSession(model, config)
+        session.setup(batches[0])
+        measure_step_peak(model, batches[0], opt, autocast=autocast)  # optimizer states exist
+        for batch in batches:
+            session.use(session.plan(batch))
+            peak = measure_step_peak(model, batch, opt, autocast=autocast)
+            pred = session.policy.metadata["predicted"]
+            rows.append(
+                StepRow(
+                    budget_nbytes=budget,
+                    shape=_shape(batch),
+                    bucket=list(session.current.key),
+                    predicted_nbytes=int(pred["peak_nbytes"]),
+                    measured_nbytes=peak.peak_nbytes,
+                    moment=str(pred.get("peak_moment", "")),
+                    added_ms=float(pred["added_ms"]),
+                    actions=totals(session.policy),
+                    unknown_ops=len(session.handle.unknown_ops),
+                )
             )
-        )
+        session.close()
     return rows

@@ -36,6 +36,7 @@ from conftest import random_policy
 
 from adacc_hf import assets, estimate_static_memory, profile_model, uniform_policy
 from adacc_hf.integrations import coordinator, sharding
+from adacc_hf.solver import budget_between
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "dist_scripts"
@@ -316,13 +317,10 @@ def _budget(zero_stage: int = 0, dropout: float = 0.1, fraction: float = 0.4) ->
     recipe's tiny-llama (2 rows of 64 tokens per device)."""
     model = assets.tiny_model("llama", seed=0, attention_dropout=dropout)
     batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=64)
-    static = estimate_static_memory(model, zero_stage=zero_stage, world_size=2).total
-    prof = profile_model(model, batch, repeats=1)
-    transient = max(
-        max(g.transient_nbytes for g in prof.groups.values()), prof.nonblock_transient_nbytes
+    static = estimate_static_memory(
+        model, optimizer="adamw_torch_fused", zero_stage=zero_stage, world_size=2
     )
-    low = static + prof.full_recompute_nbytes() + transient
-    return int(low + fraction * (static + prof.no_checkpoint_nbytes() - low))
+    return budget_between(profile_model(model, batch, repeats=1), static, fraction)
 
 
 def _kinds(summary: dict[str, dict[str, int]]) -> set[str]:

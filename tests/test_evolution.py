@@ -8,6 +8,7 @@ import torch
 
 from adacc_hf import assets, estimate_static_memory, prepare, profile_model
 from adacc_hf.evolution import TrackingSchedule
+from adacc_hf.solver import budget_between
 
 
 def test_tracking_steps_back_off_exponentially_and_reset_on_change():
@@ -35,10 +36,9 @@ def _setup(adaptive: bool):
         num_key_value_heads=4,
     )
     batch = assets.tiny_batch("llama", model, batch_size=4, seq_len=64)
-    static = estimate_static_memory(model, optimizer="sgd").total
+    static = estimate_static_memory(model, optimizer="sgd")
     prof = profile_model(model, batch, codecs=["int4_naive"], repeats=2)
-    low = static + prof.full_recompute_nbytes() + prof.groups["block"].transient_nbytes
-    budget = int(low + 0.4 * (static + prof.no_checkpoint_nbytes() - low))
+    budget = budget_between(prof, static, 0.4)
     session = prepare(
         model,
         budget,

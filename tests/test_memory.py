@@ -125,7 +125,7 @@ def test_measure_activation_memory_counts_saved_tensors_once():
         out = m(x)
     loss = out["loss"]
     del out
-    alive = {ptr: n for ref, ptr, n, _ in rec.records if not ref.expired()}
+    alive = {ptr: n for ref, ptr, n, *_ in rec.records if not ref.expired()}
     # h is freed (nothing saves it), y is held once (64*64*4 bytes), plus the scalar loss.
     assert sum(alive.values()) == 64 * 64 * 4 + 4
     del loss

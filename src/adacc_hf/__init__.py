@@ -31,12 +31,8 @@ from .runtime import (
     trace_model,
     uniform_policy,
 )
-from .runtime.memory import (
-    ActivationMemory,
-    activation_memory_report,
-    measure_activation_memory,
-    peak_step_memory,
-)
+from .runtime.memory import ActivationMemory, activation_memory_report, measure_activation_memory
+from .runtime.peak import StepPeak, measure_step_peak
 from .schema import Action, OpSpec, Profile
 
 _LAZY = {
@@ -45,7 +41,7 @@ _LAZY = {
     "AdaccTrainer": "integrations.trainer",
     "AdaccCallback": "integrations.trainer",
     "AdaccSession": "integrations.session",
-    "AdaccConfig": "integrations.session",
+    "AdaccConfig": "integrations.config",
     "prepare": "integrations.session",
     "profile_model": "profiler",
     "solve": "solver",
@@ -77,6 +73,7 @@ __all__ = [
     "Policy",
     "PolicyError",
     "Profile",
+    "StepPeak",
     "UnsupportedModelError",
     "__version__",
     "activation_memory_report",
@@ -85,7 +82,7 @@ __all__ = [
     "get_adapter",
     "layer_type_policy",
     "measure_activation_memory",
-    "peak_step_memory",
+    "measure_step_peak",
     "supported_model_types",
     "trace_model",
     "uniform_policy",

@@ -63,6 +63,7 @@ class _Sample:
     nbytes: int
     rel_error: float
     n_outliers: int
+    raw_nbytes: int = 0  # the op output's own bytes (sizes scale to other shapes by the ratio)
 
 
 class OutlierTracker:
@@ -98,18 +99,25 @@ class OutlierTracker:
                 enc = codec.encode(x)
             err = float(relative_error(x, codec.decode(enc)))
             self.samples[(group, key, codec.name)].append(
-                _Sample(enc.nbytes(), err, int(enc.meta.get("n_outliers", 0)))
+                _Sample(
+                    enc.nbytes(),
+                    err,
+                    int(enc.meta.get("n_outliers", 0)),
+                    x.numel() * x.element_size(),
+                )
             )
 
     def apply(self, profile: Profile) -> tuple[Profile, list[str]]:
-        """A copy of `profile` with every observed codec's mean size and worst error, and a list of
+        """A copy of `profile` with every observed codec's mean size (as a share of the op's
+        output, so a profile of another shape takes it too) and worst error, and a list of
         human-readable changes (size change > 1 %, error change > 10 %)."""
         new = copy.deepcopy(profile)
         changes = []
         for (group, key, codec), samples in self.samples.items():
             op = next(o for o in new.groups[group].ops if o.key == key)
             cp = op.codecs[codec]
-            nbytes = round(sum(s.nbytes for s in samples) / len(samples))
+            ratio = sum(s.nbytes / (s.raw_nbytes or s.nbytes or 1) for s in samples) / len(samples)
+            nbytes = round(ratio * op.nbytes) if samples[0].raw_nbytes else cp.nbytes
             err = max(s.rel_error for s in samples)
             outl = round(sum(s.n_outliers for s in samples) / len(samples))
             if abs(nbytes - cp.nbytes) > 0.01 * cp.nbytes or (

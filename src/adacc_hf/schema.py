@@ -300,6 +300,8 @@ class CodecProfile:
     decode_ms: float
     rel_error: float  # error on what backward reads (see codecs.relative_error)
     n_outliers: int = 0
+    encode_workspace_nbytes: int = 0  # peak temporaries of one encode, beyond the payload
+    decode_workspace_nbytes: int = 0  # peak temporaries of one decode, beyond its output
 
     @property
     def ms(self) -> float:
@@ -330,24 +332,53 @@ class OpProfile(OpSpec):
 
 @dataclass
 class GroupProfile:
-    """A block group: its ops and what a block costs as a whole."""
+    """A block group: its ops and what a block costs as a whole (bytes per block)."""
 
     name: str
     num_blocks: int
     input_nbytes: int  # held by a checkpointed block whatever the policy (measured)
     full_nbytes: int  # held by a block with no checkpointing (measured)
     fixed_ms: float  # recompute time of ops that always rerun in a checkpointed block
-    transient_nbytes: int  # extra peak during one checkpointed block's backward
+    transient_nbytes: int  # peak of a checkpointed block's backward above the level at its start
     block_fwd_ms: float  # one block's forward, no checkpointing
     ops: list[OpProfile] = field(default_factory=list)
-    plain_transient_nbytes: int = (
-        0  # extra peak during one plain (not checkpointed) block's backward
-    )
+    plain_transient_nbytes: int = 0  # the same for a block without checkpointing
+    output_nbytes: int = 0  # a block's output (the gradient its backward starts from)
+    grad_nbytes: int = 0  # gradients of one block's trainable parameters (unsharded)
+    positions: list[int] = field(default_factory=list)  # each block's index in forward order
+    forward_transient_nbytes: int = 0  # peak of a checkpointed block's forward above its start
+    plain_forward_transient_nbytes: int = 0  # the same for a block without checkpointing
+    full_interior_nbytes: int = 0  # held by a plain block followed by a plain one (0: unknown)
+
+
+@dataclass
+class Timeline:
+    """One training step measured under full recomputation at the profiled shape: bytes above the
+    level when the step starts (activations, gradients, temporaries; parameters, buffers and
+    optimizer states excluded), at the moments where memory can peak. Lists are per block in
+    forward order."""
+
+    held: list[int]  # what each block's forward leaves held for backward
+    forward_start: list[int]  # when block j's forward starts
+    forward_peak: list[int]  # the highest during block j's forward
+    backward_start: list[int]  # when block j's backward starts (its output's gradient arrived)
+    backward_peak: list[int]  # the highest during block j's backward (its recompute included)
+    loss_peak: int = 0  # the highest after the last block's forward (final norm, head, loss)
+    head_peak: int = 0  # the highest from backward's start to the last block's backward
+    tail_peak: int = 0  # the highest after the first block's backward (embeddings)
+    grads: list[int] = field(default_factory=list)  # gradient bytes alive at backward_start
 
 
 @dataclass
 class Profile:
-    """Everything the solver needs, measured on one device, dtype and micro-batch shape."""
+    """Everything the solver needs, measured on one device, dtype and micro-batch shape.
+
+    The step's memory outside the blocks: ``nonblock_nbytes`` held for backward (of it,
+    ``nonblock_before_nbytes`` created before the first block: embeddings, masks; the rest after:
+    final norm, logits, loss), the forward's own temporaries above what it leaves held, and the
+    backward's transients: from the loss to the last block (``head``: logits gradient, head weight
+    gradient) and after the first block (``tail``: embedding gradients, tied weights).
+    """
 
     model_type: str
     adapter: str
@@ -356,10 +387,16 @@ class Profile:
     dtype: str
     batch_shape: dict[str, list[int]]
     groups: dict[str, GroupProfile]
-    nonblock_nbytes: int  # activations held outside the blocks (embeddings, logits, loss...)
-    nonblock_transient_nbytes: int = 0  # backward temporary outside the blocks (logits grad)
+    nonblock_nbytes: int
+    head_transient_nbytes: int = 0
     profile_ms: float = 0.0  # wall time spent profiling
     autocast: str | None = None  # the autocast dtype the profile ran under (None: off)
+    nonblock_before_nbytes: int = 0
+    forward_transient_nbytes: int = 0
+    tail_transient_nbytes: int = 0
+    nonblock_grad_nbytes: int = 0  # gradients of trainable parameters outside the blocks
+    batch_nbytes: int = 0  # the micro-batch's own tensors (on the device all step long)
+    timeline: Timeline | None = None  # measured; None: synthesised from the fields above
     library_version: str = ""
     format_version: int = PROFILE_FORMAT
 
@@ -387,7 +424,11 @@ class Profile:
                 ops.append(OpProfile(**{**o, "shape": tuple(o["shape"])}, codecs=codecs))
             g = {k: v for k, v in g.items() if k in known_group}
             groups[name] = GroupProfile(**g, ops=ops)
+        if "nonblock_transient_nbytes" in d:  # format 1
+            d.setdefault("head_transient_nbytes", d.pop("nonblock_transient_nbytes"))
         d = {k: v for k, v in d.items() if k in known_profile}
+        if isinstance(d.get("timeline"), dict):
+            d["timeline"] = Timeline(**d["timeline"])
         return cls(**d, groups=groups)
 
     @property
@@ -399,6 +440,19 @@ class Profile:
         return self.nonblock_nbytes + sum(
             g.num_blocks * g.full_nbytes for g in self.groups.values()
         )
+
+    @property
+    def nonblock_after_nbytes(self) -> int:
+        return self.nonblock_nbytes - self.nonblock_before_nbytes
+
+    def block_order(self) -> list[tuple[str, int]]:
+        """(group, index within the group) of every block, in forward order."""
+        order = []
+        for name, g in self.groups.items():
+            positions = g.positions or [None] * g.num_blocks
+            for i, pos in enumerate(positions):
+                order.append((pos if pos is not None else len(order), name, i))
+        return [(name, i) for _, name, i in sorted(order)]
 
     def full_recompute_nbytes(self) -> int:
         """Activation bytes held under full recomputation."""

@@ -12,6 +12,7 @@ import torch.distributed as dist
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from adacc_hf import Policy, assets, estimate_static_memory, profile_model
+from adacc_hf.solver import budget_between
 
 
 def rank() -> int:
@@ -25,13 +26,7 @@ def world() -> int:
 def mixed_budget(model, batch, fraction: float = 0.4, **static: Any) -> int:
     """A per-device budget between full recomputation's need and no checkpointing's."""
     est = estimate_static_memory(model, optimizer=static.pop("optimizer", "adamw_torch"), **static)
-    prof = profile_model(model, batch, repeats=1)
-    transient = max(
-        max(g.transient_nbytes for g in prof.groups.values()), prof.nonblock_transient_nbytes
-    )
-    low = est.total + prof.full_recompute_nbytes() + transient
-    high = est.total + prof.no_checkpoint_nbytes()
-    return int(low + fraction * (high - low))
+    return budget_between(profile_model(model, batch, repeats=1), est, fraction)
 
 
 def kinds(policy: Policy) -> list[str]:

@@ -6,8 +6,9 @@ Rooms: `session` (profile, solve, apply, evolve), `coordinator` (who decides acr
 """
 
 from .card import read_artifacts, update_model_card, write_artifacts
+from .config import AdaccConfig
 from .coordinator import Coordinator, DistributedCoordinator, coordinator_for_process
-from .session import AdaccConfig, AdaccEvent, AdaccSession, prepare
+from .session import AdaccEvent, AdaccSession, prepare
 from .trainer import AdaccCallback, AdaccTrainer, AdaccTrainingArguments, run_config
 
 __all__ = [

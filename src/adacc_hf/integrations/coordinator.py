@@ -62,6 +62,10 @@ class Coordinator:
         """`tracker` with every rank's samples."""
         return tracker
 
+    def agree(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """The elementwise largest `values` of every rank (a batch's bucket)."""
+        return values
+
 
 class DistributedCoordinator(Coordinator):
     """Rank `src` decides; object collectives hand its policy and everyone's samples around."""
@@ -96,6 +100,12 @@ class DistributedCoordinator(Coordinator):
                 self.broadcast(None)
             raise
         return self.broadcast(policy)
+
+    def agree(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        device = self._device() or torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return tuple(int(v) for v in t.tolist())  # once per forward; a tiny collective
 
     def merge(self, tracker: OutlierTracker) -> OutlierTracker:
         gathered: list[Any] = [None] * dist.get_world_size()

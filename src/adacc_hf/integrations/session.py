@@ -1,8 +1,11 @@
-"""`AdaccSession`: profile on a real batch, solve, apply, and evolve the policy during training.
+"""`AdaccSession`: profile, solve, apply, and evolve the policy during training.
 
 Every entry point uses it: the Trainer callback, `AdaccTrainer`, and `adacc_hf.prepare` for custom
-loops and Accelerate. With no policy and no sample batch, `attach()` defers everything to the
-model's first training forward, which then profiles on that very batch.
+loops and Accelerate. The session plans one policy per *bucket* of batch shapes (`shapes`): before
+each training forward it looks at the batch, and the first batch of a bucket is profiled (padded
+up to the bucket's edge, under the run's autocast) and solved; later batches of the bucket reuse
+that plan, so every batch of the run holds no more than what was planned. A policy given by the
+user applies to every shape as it is.
 """
 
 from __future__ import annotations
@@ -16,75 +19,35 @@ import torch
 from torch import nn
 
 from ..adapters import unwrap_model
-from ..codecs import CodecError, get_codec
-from ..errors import AdaccError
 from ..evolution import OutlierTracker, TrackingSchedule
 from ..policy import Policy
 from ..policy.display import describe, metrics
 from ..profiler import profile_model
 from ..runtime import AdaccHandle, apply_adacc
+from ..runtime.peak import live_state_nbytes
 from ..runtime.sharded import forwards_without_backward
 from ..schema import Profile
 from ..solver import (
-    HEADROOM,
+    StaticMemory,
     estimate_static_memory,
     parse_budget,
     planned_budget,
     predict,
     solve_policy,
 )
+from .config import AdaccConfig, detect_autocast
 from .coordinator import Coordinator, coordinator_for_process
+from .shapes import ShapeKey, padded, shape_key
 from .sharding import sharding_from_model
 
 logger = logging.getLogger("adacc_hf")
 
-
-@dataclass
-class AdaccConfig:
-    """What an `AdaccSession` does; `AdaccTrainingArguments` fills it from `adacc_*` fields."""
-
-    budget: int | str = "auto"
-    codecs: list[str] | None = None  # codecs the solver may pick (None: each layer type's own)
-    zscore_threshold: float = 3.0
-    adaptive: bool = True
-    max_tracking_interval: int = 1024
-    solver: str = "cbc"
-    solver_time_limit: float = 10.0
-    max_codec_error: float = 0.5
-    split_blocks: bool = True
-    optimizer: str = "adamw_torch"
-    mixed_precision: str | None = None
-    zero_stage: int = 0
-    fsdp: bool = False
-    world_size: int = 1
-    offload_optimizer: bool = False
-    master_weights: bool = False  # fp32 copies of 16-bit parameters (DeepSpeed mixed precision)
-    profile_repeats: int = 3
-    # Fraction of the activation share of the budget (budget - static) the solver leaves free for
-    # batch-to-batch variation (int4_outlier sizes vary by block and batch) and fragmentation.
-    headroom: float = HEADROOM
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.headroom < 0.5:
-            raise AdaccError(f"headroom must be in [0, 0.5), got {self.headroom}")
-        if self.codecs is not None:
-            for name in self.codecs:
-                try:
-                    get_codec(name)
-                except CodecError as e:
-                    raise AdaccError(f"adacc codecs: {e}") from None
-        if self.max_tracking_interval < 1:
-            raise AdaccError("max_tracking_interval must be >= 1")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise AdaccError(f"zero_stage must be 0-3, got {self.zero_stage}")
-
-    def codec_params(self) -> dict[str, dict[str, Any]]:
-        return {"int4_outlier": {"zscore_threshold": self.zscore_threshold}}
+__all__ = ["AdaccConfig", "AdaccEvent", "AdaccSession", "Plan", "prepare"]
 
 
 @dataclass
 class AdaccEvent:
-    """Something worth logging: the first policy, or a switch."""
+    """Something worth logging: a new plan, a switch, or a tracking step."""
 
     step: int
     kind: str  # "policy" | "switch" | "track"
@@ -93,8 +56,18 @@ class AdaccEvent:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class Plan:
+    """The policy of one bucket of batch shapes (``key`` None: every shape), and its profile."""
+
+    key: ShapeKey | None
+    policy: Policy
+    profile: Profile | None = None
+    stale: bool = False  # codec statistics moved since it was solved: re-solve before next use
+
+
 class AdaccSession:
-    """Owns the profile, the policy, the patch on the model and the tracking schedule."""
+    """Owns the plans (profile + policy per bucket), the patch on the model and the rectifier."""
 
     def __init__(
         self,
@@ -104,115 +77,199 @@ class AdaccSession:
         policy: Policy | None = None,
         profile: Profile | None = None,
         coordinator: Coordinator | None = None,
+        profiles: dict[ShapeKey, Profile] | None = None,
     ) -> None:
         self.model = unwrap_model(model)
+        # Profiles by bucket, shared by sessions of the same model (a benchmark's budgets).
+        self.profiles = profiles if profiles is not None else {}
         self.config = config or AdaccConfig()
-        self.policy = policy
-        self.profile = profile
-        # Distributed runs: every rank profiles and tracks in lockstep; the coordinator's leader
-        # alone solves and decides, and every rank runs its policy.
+        # Distributed runs: every rank profiles and tracks in lockstep (on the bucket all ranks
+        # agree on); the coordinator's leader alone solves and decides.
         self.coordinator = coordinator or coordinator_for_process()
+        self.plans: dict[ShapeKey | None, Plan] = {}
+        self.fixed = policy is not None and profile is None  # a user's policy, for every shape
+        self.current: Plan | None = None
+        if policy is not None:
+            key = None if self.fixed else tuple(policy.metadata.get("shape_key") or ()) or None
+            self.current = self.plans[key] = Plan(key, policy, profile)
+            self.fixed = key is None
         self.handle: AdaccHandle | None = None
         self.schedule = TrackingSchedule(self.config.max_tracking_interval)
         self.events: list[AdaccEvent] = []
-        self.static_nbytes: int | None = None
+        self.static: StaticMemory | None = None
         self.budget_nbytes: int | None = None
+        self.autocast: torch.dtype | None = self.config.autocast
         self._hook: Any = None
+        self._planning = False
         self._tracker: OutlierTracker | None = None
         self.step = 0
 
-    # ------------------------------------------------------------------ set-up
+    # ------------------------------------------------------------------ plans
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _static(self) -> int:
-        c = self.config
-        est = estimate_static_memory(
-            self.model,
-            optimizer=c.optimizer,
-            mixed_precision=c.mixed_precision,
-            zero_stage=c.zero_stage,
-            fsdp=c.fsdp,
-            world_size=c.world_size,
-            offload_optimizer=c.offload_optimizer,
-            master_weights=c.master_weights,
-        )
-        return est.total
+    @property
+    def policy(self) -> Policy | None:
+        return self.current.policy if self.current is not None else None
+
+    @property
+    def profile(self) -> Profile | None:
+        return self.current.profile if self.current is not None else None
+
+    @property
+    def static_nbytes(self) -> int | None:
+        return self.static.total if self.static is not None else None
+
+    def _static(self) -> StaticMemory:
+        if self.static is None:
+            c = self.config
+            self.static = estimate_static_memory(
+                self.model,
+                optimizer=c.optimizer,
+                mixed_precision=c.mixed_precision,
+                zero_stage=c.zero_stage,
+                fsdp=c.fsdp,
+                world_size=c.world_size,
+                offload_optimizer=c.offload_optimizer,
+                master_weights=c.master_weights,
+            )
+        return self.static
+
+    def _budget(self) -> int:
+        if self.budget_nbytes is None:
+            # "auto" counts the free memory and what the plan itself counts (already resident).
+            resident = live_state_nbytes(self.model)
+            self.budget_nbytes = parse_budget(self.config.budget, self.device, resident)
+        return self.budget_nbytes
 
     def solve(self, profile: Profile) -> Policy:
         """The policy for `profile` under the session's budget (keeping `headroom` free)."""
-        if self.budget_nbytes is None:
-            self.budget_nbytes = parse_budget(self.config.budget, self.device)
-        if self.static_nbytes is None:
-            self.static_nbytes = self._static()
-        c = self.config
-        planned = planned_budget(self.budget_nbytes, self.static_nbytes, profile, c.headroom)
+        c, static = self.config, self._static()
+        acc = c.gradient_accumulation_steps
+        budget = self._budget()
+        planned = planned_budget(budget, static, profile, c.headroom, acc)
         policy = solve_policy(
             profile,
             planned,
-            static_nbytes=self.static_nbytes,
+            static_nbytes=static,
             codecs=c.codecs,
             max_rel_error=c.max_codec_error,
             solver=c.solver,
             time_limit_s=c.solver_time_limit,
             split_blocks=c.split_blocks,
+            accumulation=acc,
         )
-        policy.metadata["budget_spec"] = str(c.budget)
-        policy.metadata["budget_nbytes"] = self.budget_nbytes
-        policy.metadata["headroom"] = c.headroom
+        policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=budget, headroom=c.headroom)
         return policy
+
+    def key_of(self, batch: Mapping[str, Any]) -> ShapeKey:
+        """The bucket of `batch`, agreed on by every rank (the largest of theirs)."""
+        config = self.model.config
+        encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        return self.coordinator.agree(shape_key(batch, encoder_decoder, self.config.max_seq_len))
+
+    def plan(self, batch: Mapping[str, Any], key: ShapeKey | None = None) -> Plan:
+        """The plan of `batch`'s bucket: profiled (on `batch` padded to the bucket's edge) and
+        solved the first time, re-solved when the rectifier moved its codec statistics."""
+        if self.fixed:
+            return self.plans[None]
+        key = key if key is not None else self.key_of(batch)
+        plan = self.plans.get(key)
+        if plan is not None and not plan.stale:
+            return plan
+        if plan is not None:
+            profile = plan.profile
+        elif key in self.profiles:
+            profile = self.profiles[key]
+        else:
+            profile = self.profiles[key] = self._profile(batch, key)
+        policy = self.coordinator.share(lambda: self.solve(profile))
+        policy.metadata["shape_key"] = list(key)
+        plan = self.plans[key] = Plan(key, policy, profile)
+        msg = f"bucket {_key_text(key)}: {describe(policy)}"
+        self.events.append(AdaccEvent(self.step, "policy", policy, msg, metrics(policy)))
+        logger.info("adacc plan for %s:\n%s", msg, policy.table())
+        return plan
+
+    def _profile(self, batch: Mapping[str, Any], key: ShapeKey) -> Profile:
+        """Profile `batch` padded to `key`'s edge; op costs scale from the nearest profiled
+        bucket when there is one (memory is always measured)."""
+        pad = getattr(self.model.config, "pad_token_id", None)
+        sample = padded(batch, key, pad if isinstance(pad, int) else None)
+        near = min(
+            self.profiles.items(),
+            key=lambda kv: abs(_tokens(kv[0]) - _tokens(key)),
+            default=(None, None),
+        )[1]
+        # On every rank: under ZeRO-3 / FSDP these forwards all-gather parameters. Inside a
+        # training forward (the hook), FSDP2's state is left to that step's backward.
+        self._planning = True
+        try:
+            with forwards_without_backward(self.model):
+                return profile_model(
+                    self.model,
+                    sample,
+                    codecs=self.config.codecs,
+                    codec_params=self.config.codec_params(),
+                    repeats=self.config.profile_repeats,
+                    autocast=self.autocast,
+                    reference=near,
+                )
+        finally:
+            self._planning = False
 
     def setup(self, batch: Mapping[str, Any]) -> Policy:
-        """Profile on `batch` (unless a policy was given), solve, and patch the model."""
-        if self.policy is None:
-            if self.profile is None:
-                # On every rank: under ZeRO-3 / FSDP these forwards all-gather parameters. Inside
-                # a training forward (`attach`), FSDP2's state is left to that step's backward.
-                with forwards_without_backward(self.model):
-                    self.profile = profile_model(
-                        self.model,
-                        batch,
-                        codecs=self.config.codecs,
-                        codec_params=self.config.codec_params(),
-                        repeats=self.config.profile_repeats,
-                    )
-            profile = self.profile
-            policy = self.coordinator.share(lambda: self.solve(profile))
-        else:
-            given = self.policy
-            policy = self.coordinator.share(lambda: given)
-        self.apply(policy)
-        self.events.append(
-            AdaccEvent(self.step, "policy", policy, describe(policy), metrics(policy))
-        )
-        logger.info("adacc policy (%s):\n%s", describe(policy), policy.table())
-        return policy
+        """Plan `batch`'s bucket (and, when ``max_seq_len`` is set, the longest one, so a budget
+        too small for it fails now) and patch the model with the plan of `batch`."""
+        if self.autocast is None:
+            self.autocast = detect_autocast(self.model, self.device)
+        if self.config.max_seq_len and not self.fixed:
+            key = self.key_of(batch)
+            longest = (key[0], *(max(k, self.config.max_seq_len) for k in key[1:-1]), key[-1])
+            self.plan(batch, longest)
+        self.use(self.plan(batch))
+        return self.policy
 
-    def apply(self, policy: Policy) -> None:
+    def use(self, plan: Plan) -> None:
+        """Run `plan`'s policy from the next forward on."""
+        if plan is self.current and self.active:
+            return
         self.model.__dict__["_adacc_session"] = self
         if self.handle is not None and self.handle.active:
-            self.handle.set_policy(policy)
+            self.handle.set_policy(plan.policy)
         else:
-            self.handle = apply_adacc(self.model, policy)
-        self.policy = policy
+            self.handle = apply_adacc(self.model, plan.policy)
+        self.current = plan
+        if self._tracker is not None:
+            self.handle.set_tracker(self._tracker)
+
+    def apply(self, policy: Policy) -> None:
+        """Run `policy` for the current bucket."""
+        key = self.current.key if self.current is not None else None
+        profile = self.current.profile if self.current is not None else None
+        plan = self.plans[key] = Plan(key, policy, profile)
+        self.current = None
+        self.use(plan)
 
     def attach(self) -> None:
-        """Defer `setup` to the model's first training forward (which is profiled)."""
-        if self._hook is not None or (self.handle is not None and self.handle.active):
+        """Plan and switch policies before each training forward (the first one profiles)."""
+        if self._hook is not None:
             return
         self.model.__dict__["_adacc_session"] = self
 
-        def first_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not module.training:
+        def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not module.training or self._planning:  # evaluation, or our own profiling forwards
                 return
-            self.detach_hook()
             batch = dict(kwargs)
             if args:
                 batch.setdefault("input_ids", args[0])
-            self.setup(batch)
+            if self.current is None or not self.active:
+                self.setup(batch)
+            else:
+                self.use(self.plan(batch))
 
-        self._hook = self.model.register_forward_pre_hook(first_forward, with_kwargs=True)
+        self._hook = self.model.register_forward_pre_hook(before_forward, with_kwargs=True)
 
     def detach_hook(self) -> None:
         if self._hook is not None:
@@ -244,7 +301,11 @@ class AdaccSession:
         self.handle.set_tracker(None)
         tracker = self.coordinator.merge(tracker)
         new_profile, changes = tracker.apply(self.profile)
-        self.profile = new_profile
+        for plan in self.plans.values():  # the other buckets re-solve when next used
+            if plan is not self.current and plan.profile is not None and changes:
+                plan.profile, _ = tracker.apply(plan.profile)
+                plan.stale = True
+        self.current.profile = new_profile
 
         def decide() -> Policy:
             new = self.solve(new_profile)
@@ -271,7 +332,8 @@ class AdaccSession:
         error is now above the limit, or when the new one is clearly (> 2 %) faster."""
         if new.fingerprint() == self.policy.fingerprint():
             return False
-        cur = predict(profile, self.policy, self.static_nbytes or 0)
+        acc = self.config.gradient_accumulation_steps
+        cur = predict(profile, self.policy, self._static(), acc)
         if cur.peak_nbytes > (self.budget_nbytes or 0):
             return True
         errors = {
@@ -287,7 +349,7 @@ class AdaccSession:
                         err = errors.get((gname, key, a.codec), 0.0)
                         if not err <= self.config.max_codec_error:
                             return True
-        best = predict(profile, new, self.static_nbytes or 0)
+        best = predict(profile, new, self._static(), acc)
         return best.added_ms < 0.98 * cur.added_ms
 
     def step_done(self, step: int) -> AdaccEvent | None:
@@ -319,6 +381,15 @@ class AdaccSession:
             "config": asdict(self.config),
             "step": self.step,
         }
+
+
+def _key_text(key: ShapeKey) -> str:
+    text = " x ".join(str(k) for k in key[:-1])
+    return text + (", padded" if key[-1] else "")
+
+
+def _tokens(key: ShapeKey) -> int:
+    return key[0] * sum(key[1:-1])
 
 
 def prepare(

@@ -31,7 +31,8 @@ from .card import (
     update_model_card,
     write_artifacts,
 )
-from .session import AdaccConfig, AdaccSession
+from .config import AdaccConfig
+from .session import AdaccSession
 from .sharding import sharding_from_trainer
 
 logger = logging.getLogger("adacc_hf")
@@ -59,6 +60,7 @@ def run_config(config: AdaccConfig, args: TrainingArguments) -> AdaccConfig:
     fields = {
         "optimizer": str(getattr(args.optim, "value", args.optim)),
         "mixed_precision": mp,
+        "gradient_accumulation_steps": max(1, int(getattr(args, "gradient_accumulation_steps", 1))),
         "world_size": max(1, int(getattr(args, "world_size", 1) or 1)),
         **sharding_from_trainer(args),
     }
@@ -209,6 +211,14 @@ class AdaccTrainingArguments(TrainingArguments):
             "Let blocks run different policies (some without checkpointing) to fill the budget."
         ),
     )
+    adacc_max_seq_len: int | None = field(
+        default=None,
+        metadata=_help(
+            "The longest sequence of the run. Its bucket is planned before the first step, so a "
+            "budget too small for it fails at once (default: each bucket is planned when its "
+            "first batch comes)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.adacc_codecs is not None:  # also "a,b" (a YAML string, older command lines)
@@ -259,6 +269,7 @@ class AdaccTrainingArguments(TrainingArguments):
             solver_time_limit=self.adacc_solver_time_limit,
             max_codec_error=self.adacc_max_codec_error,
             split_blocks=self.adacc_split_blocks,
+            max_seq_len=self.adacc_max_seq_len,
         )
 
     # The integration name is in `report_to` only while the object lives in this process: what

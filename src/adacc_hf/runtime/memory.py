@@ -10,8 +10,9 @@ by forward), and each storage counts once.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,17 +23,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..adapters import get_adapter, unwrap_model
 from .ops import is_keyed, tensor_outputs
+from .peak import loss_of
 from .sharded import forwards_without_backward
 
 
 @dataclass
 class ActivationMemory:
-    """Bytes held for backward after one forward: per block (by path) and outside the blocks."""
+    """Bytes held for backward after one forward: per block (by path) and outside the blocks
+    (``before`` the first block ran: embeddings, masks; ``after``: final norm, logits, loss)."""
 
     total: int
     blocks: dict[str, int] = field(default_factory=dict)
     other: int = 0
     largest_other: int = 0  # the largest single storage outside the blocks
+    before: int = 0
+    after: int = 0
 
     @property
     def per_block_mean(self) -> float:
@@ -43,7 +48,8 @@ class _StorageRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.where: str = ""
-        self.records: list[tuple[StorageWeakRef, int, int, str]] = []
+        self.blocks_started = False
+        self.records: list[tuple[StorageWeakRef, int, int, str, bool]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -51,12 +57,29 @@ class _StorageRecorder(TorchDispatchMode):
             for t in tensor_outputs(out):
                 s = t.untyped_storage()
                 if s.nbytes():
-                    self.records.append((StorageWeakRef(s), s.data_ptr(), s.nbytes(), self.where))
+                    self.records.append(
+                        (
+                            StorageWeakRef(s),
+                            s.data_ptr(),
+                            s.nbytes(),
+                            self.where,
+                            self.blocks_started,
+                        )
+                    )
         return out
 
 
-def activation_memory_report(model: nn.Module, batch: Mapping[str, Any]) -> ActivationMemory:
-    """Run `model(**batch)` and report what its autograd graph holds before backward."""
+@contextlib.contextmanager
+def recorded_forward(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    block_hooks: Any = None,
+    autocast: Any = None,
+) -> Iterator[tuple[Callable[[], ActivationMemory], torch.Tensor]]:
+    """Run `model(**batch)` recording every storage its ops create; yields ``(report, loss)``
+    where ``report()`` counts what is alive right now. `block_hooks(path, block)` may return more
+    hook handles to install on each block (removed with these); `autocast` is a context manager
+    entered around the forward only."""
     base = unwrap_model(model)
     blocks = get_adapter(base).find_blocks(base)
     rec = _StorageRecorder()
@@ -65,57 +88,60 @@ def activation_memory_report(model: nn.Module, batch: Mapping[str, Any]) -> Acti
 
         def pre(mod, args, path=path):
             rec.where = path
+            rec.blocks_started = True
 
         def post(mod, args, out):
             rec.where = ""
 
         handles.append(block.register_forward_pre_hook(pre))
         handles.append(block.register_forward_hook(post, always_call=True))
+        if block_hooks is not None:
+            handles += list(block_hooks(path, block))
     try:
-        with forwards_without_backward(base), rec:
+        with forwards_without_backward(base), rec, autocast or contextlib.nullcontext():
             out = model(**batch)
-        loss = out["loss"] if isinstance(out, Mapping) else out[0]
+        loss = loss_of(out)
         del out
+    except BaseException:
+        for h in handles:
+            h.remove()
+        raise
+
+    def report() -> ActivationMemory:
+        gc.collect()
+        seen: set[int] = set()
+        result = ActivationMemory(total=0, blocks={p: 0 for p, _ in blocks})
+        for ref, ptr, nbytes, where, after in rec.records:
+            if ref.expired() or ptr in seen:
+                continue
+            seen.add(ptr)
+            result.total += nbytes
+            if where:
+                result.blocks[where] += nbytes
+            else:
+                result.other += nbytes
+                result.largest_other = max(result.largest_other, nbytes)
+                if after:
+                    result.after += nbytes
+                else:
+                    result.before += nbytes
+        return result
+
+    try:
+        yield report, loss
     finally:
         for h in handles:
             h.remove()
-    gc.collect()
-    seen: set[int] = set()
-    report = ActivationMemory(total=0, blocks={p: 0 for p, _ in blocks})
-    for ref, ptr, nbytes, where in rec.records:
-        if ref.expired() or ptr in seen:
-            continue
-        seen.add(ptr)
-        report.total += nbytes
-        if where:
-            report.blocks[where] += nbytes
-        else:
-            report.other += nbytes
-            report.largest_other = max(report.largest_other, nbytes)
-    del loss
-    return report
+
+
+def activation_memory_report(
+    model: nn.Module, batch: Mapping[str, Any], autocast: Any = None
+) -> ActivationMemory:
+    """Run `model(**batch)` and report what its autograd graph holds before backward."""
+    with recorded_forward(model, batch, autocast=autocast) as (report, _loss):
+        return report()
 
 
 def measure_activation_memory(model: nn.Module, batch: Mapping[str, Any]) -> int:
     """Bytes held for backward between the end of forward and the start of backward."""
     return activation_memory_report(model, batch).total
-
-
-def peak_step_memory(
-    model: nn.Module, batch: Mapping[str, Any], optimizer: torch.optim.Optimizer | None = None
-) -> int:
-    """CUDA only: peak allocated bytes of one training step (forward, backward, optimizer step)."""
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "peak_step_memory needs a CUDA device; on CPU use measure_activation_memory"
-        )
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    out = model(**batch)
-    loss = out["loss"] if isinstance(out, Mapping) else out[0]
-    loss.backward()
-    if optimizer is not None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..policy import Policy, builders
@@ -27,11 +28,15 @@ def uniform_policy(
     *,
     codecs: Mapping[str, str] | None = None,
     codec_params: Mapping[str, Mapping[str, Any]] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Policy:
     """The same action for every op of every block of `model` (see `builders.uniform`); traced on
-    `sample_batch` (default: a small dummy batch)."""
+    `sample_batch` (default: a small dummy batch) under `autocast` (the run's mixed precision)."""
     return builders.uniform(
-        trace_model(model, sample_batch), action, codecs=codecs, codec_params=codec_params
+        trace_model(model, sample_batch, autocast),
+        action,
+        codecs=codecs,
+        codec_params=codec_params,
     )
 
 
@@ -41,11 +46,16 @@ def layer_type_policy(
     sample_batch: Batch = None,
     *,
     default: ActionKind = "retain",
+    autocast: torch.dtype | None = None,
 ) -> Policy:
     """One action per layer type (see `adacc_hf.schema.LAYER_TYPES`), `default` for the rest."""
-    return builders.by_layer_type(trace_model(model, sample_batch), actions, default=default)
+    return builders.by_layer_type(
+        trace_model(model, sample_batch, autocast), actions, default=default
+    )
 
 
-def attention_recompute_policy(model: nn.Module, sample_batch: Batch = None) -> Policy:
+def attention_recompute_policy(
+    model: nn.Module, sample_batch: Batch = None, *, autocast: torch.dtype | None = None
+) -> Policy:
     """Megatron-style selective recompute of the attention core; the rest retained."""
-    return builders.attention_recompute(trace_model(model, sample_batch))
+    return builders.attention_recompute(trace_model(model, sample_batch, autocast))

@@ -124,6 +124,16 @@ def devices_of(model: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
 
+def autocast_context(device: torch.device, dtype: torch.dtype | None, cache: bool = True):
+    """``torch.autocast`` to `dtype` on `device`'s type (a no-op context for None).
+
+    ``cache=False`` when one context runs a block several times (profiling): with the cast cache a
+    weight is cast only the first time, while every real step (and every recompute) casts it."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
+
+
 @contextlib.contextmanager
 def train_mode(model: nn.Module):
     """Put `model` in training mode for the block, then restore every module's flag."""
@@ -239,10 +249,15 @@ def first_tensor_nbytes(args: tuple) -> int:
     return first.numel() * first.element_size() if first is not None else 0
 
 
-def trace_model(model: nn.Module, batch: Mapping[str, Any] | None = None) -> ModelTrace:
+def trace_model(
+    model: nn.Module,
+    batch: Mapping[str, Any] | None = None,
+    autocast: torch.dtype | None = None,
+) -> ModelTrace:
     """Trace one block per group: the ordered op list that `Policy` tables address.
 
-    `batch` defaults to `dummy_batch`; pass the real micro-batch for shapes that match training.
+    `batch` defaults to `dummy_batch`; pass the real micro-batch for shapes that match training,
+    and the run's `autocast` dtype (mixed precision) for its ops and dtypes.
     """
     traces: dict[str, BlockTrace] = {}
 
@@ -257,7 +272,9 @@ def trace_model(model: nn.Module, batch: Mapping[str, Any] | None = None) -> Mod
         )
         return out
 
-    run_representatives(model, batch, visit)
+    device = next(model.parameters()).device
+    with autocast_context(device, autocast, cache=False):
+        run_representatives(model, batch, visit)
     adapter = get_adapter(model)
     base = unwrap_model(model)
     return ModelTrace(base.config.model_type, adapter.name, adapter.version, traces)

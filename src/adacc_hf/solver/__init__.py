@@ -11,22 +11,35 @@ Rooms: `budget` (specs -> bytes), `static` (parameters, gradients, optimizer sta
 """
 
 from .budget import describe_budget, parse_budget
-from .cost_model import HEADROOM, Prediction, min_budget, planned_budget, predict
+from .cost_model import (
+    HEADROOM,
+    Prediction,
+    budget_between,
+    min_budget,
+    no_checkpoint_budget,
+    planned_budget,
+    predict,
+)
 from .plan import Solution, solve, solve_policy
 from .static import StaticMemory, estimate_static_memory, measured_static_memory
+from .step import StepEstimate, step_peak
 
 __all__ = [
     "HEADROOM",
     "Prediction",
     "Solution",
     "StaticMemory",
+    "StepEstimate",
+    "budget_between",
     "describe_budget",
     "estimate_static_memory",
     "measured_static_memory",
     "min_budget",
+    "no_checkpoint_budget",
     "parse_budget",
     "planned_budget",
     "predict",
     "solve",
     "solve_policy",
+    "step_peak",
 ]

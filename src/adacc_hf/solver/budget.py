@@ -109,9 +109,14 @@ def _host_available(total: int) -> int:
 
 
 def resolve_budget(
-    budget: int | float | str, device: torch.device | str | None = None
+    budget: int | float | str,
+    device: torch.device | str | None = None,
+    resident_nbytes: int = 0,
 ) -> ResolvedBudget:
-    """Bytes of ``budget`` plus a sentence on how they were derived (see module docstring)."""
+    """Bytes of ``budget`` plus a sentence on how they were derived (see module docstring).
+
+    ``resident_nbytes``: bytes the plan counts that are already on the device (parameters,
+    gradients, optimizer states): ``auto`` adds them back to the free memory."""
     if isinstance(budget, bool) or budget is None:
         raise BudgetError(f"bad memory budget {budget!r}; {FORMS}")
     if isinstance(budget, numbers.Integral):
@@ -129,15 +134,17 @@ def resolve_budget(
         dev = _device(device)
         total, free = device_memory(dev)
         margin = auto_margin_nbytes(total)
+        have = free + max(0, int(resident_nbytes))
         how = (
-            f"auto: {fmt_bytes(free)} free on {dev} now, minus a margin of {fmt_bytes(margin)} "
-            f"(max(1 GiB, 5% of the {fmt_bytes(total)} total))"
+            f"auto: {fmt_bytes(free)} free on {dev} now + {fmt_bytes(resident_nbytes)} the model "
+            f"already holds, minus a margin of {fmt_bytes(margin)} (max(1 GiB, 5% of the "
+            f"{fmt_bytes(total)} total))"
         )
-        if free - margin <= 0:
+        if have - margin <= 0:
             raise BudgetError(
                 f"{how} leaves nothing: free memory on {dev} or give an explicit budget; {FORMS}"
             )
-        return ResolvedBudget(free - margin, f"{how} = {fmt_bytes(free - margin)}")
+        return ResolvedBudget(have - margin, f"{how} = {fmt_bytes(have - margin)}")
     m = _SIZE.match(spec)
     if m is None or m.group(3).lower() not in {*_UNITS, "%"}:
         raise BudgetError(f"bad memory budget {budget!r}; {FORMS}")
@@ -160,16 +167,21 @@ def _positive(nbytes: int, spec: object, how: str) -> ResolvedBudget:
     return ResolvedBudget(nbytes, f"{how} ({fmt_bytes(nbytes)})")
 
 
-def parse_budget(budget: int | float | str, device: torch.device | str | None = None) -> int:
+def parse_budget(
+    budget: int | float | str,
+    device: torch.device | str | None = None,
+    resident_nbytes: int = 0,
+) -> int:
     """A memory budget in bytes.
 
     ``budget``: bytes (int), ``"20GiB"`` / ``"20 GiB"`` / ``"512MiB"`` (powers of 2), ``"20GB"`` /
     ``"1.5TB"`` (powers of 10), ``"80%"`` of ``device``'s total memory, or ``"auto"``: the device's
     free memory now minus a margin of max(1 GiB, 5 % of total). ``device`` (default: the current
     CUDA device if CUDA is available, else the host) is only read for ``%`` and ``auto``.
+    ``resident_nbytes`` (bytes the plan counts already on the device) is added back for ``auto``.
     Raises `BudgetError` on anything else.
     """
-    return resolve_budget(budget, device).nbytes
+    return resolve_budget(budget, device, resident_nbytes).nbytes
 
 
 def describe_budget(budget: int | float | str, device: torch.device | str | None = None) -> str:

@@ -7,8 +7,10 @@ and the session, benchmarks and tests ask `predict` about any policy (solved or 
 Per op of a checkpointed block: retain (0 ms, ``retain_nbytes``), compress with codec c (encode +
 decode ms, encoded bytes), recompute (``fwd_ms``, 0 bytes). Per block group: a checkpointed block
 holds its input plus what its ops keep and pays ``fixed_ms`` for ops that always rerun; a plain
-block holds ``full_nbytes``. The step's transient is the largest backward temporary of a
-checkpointed block, or the one outside the blocks.
+block holds ``full_nbytes``. The step's peak is `step.step_peak` over those blocks.
+
+The MILP bounds activations by one linear constraint (``held + transient <= cap``, `evaluate`);
+the solver then checks the whole step's peak of each candidate and adjusts the cap.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..errors import PolicyError
 from ..policy import Policy
 from ..schema import Action, GroupProfile, OpProfile, Profile
 from .static import StaticMemory
+from .step import BlockLoad, StepEstimate, extreme_peaks, in_forward_order, step_peak
 
 
 @dataclass
@@ -34,8 +37,10 @@ class Prediction:
     added_ms: float
     transient_nbytes: int
     static_nbytes: int
-    peak_nbytes: int
+    peak_nbytes: int  # the step's peak (`step.step_peak`)
     unprofiled: list[str] = field(default_factory=list)  # "group/op:codec" sized, not timed
+    moment: str = ""  # the moment that sets the peak
+    moments: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,11 @@ class GroupModel:
 def choices_for(
     op: OpProfile, codecs: set[str] | None, max_rel_error: float | None
 ) -> list[Choice]:
-    """The op's actions (retain, codecs by name, recompute) minus the dominated ones."""
-    cands = [Choice("retain", Action.retain(), 0.0, op.retain_nbytes)]
+    """The op's actions (retain, codecs by name, recompute) minus the dominated ones.
+
+    The block's own output is not retained: that would skip one op's recompute but keep the
+    output alive until the block's backward, where full recomputation has freed it."""
+    cands = [] if op.block_output else [Choice("retain", Action.retain(), 0.0, op.retain_nbytes)]
     for name in sorted(op.codecs):
         cp = op.codecs[name]
         if codecs is not None and name not in codecs:
@@ -77,7 +85,11 @@ def choices_for(
                 return True
         return False
 
-    return [c for i, c in enumerate(cands) if not beaten(i)]
+    # Most bytes first (retain ... recompute): realisation hands the first actions to the last
+    # checkpointed blocks, so a group's blocks hold less the earlier they run.
+    return sorted(
+        (c for i, c in enumerate(cands) if not beaten(i)), key=lambda c: (-c.nbytes, c.ms)
+    )
 
 
 def group_models(
@@ -94,13 +106,12 @@ def group_models(
 
 
 def evaluate(
-    profile: Profile,
     groups: list[GroupModel],
     k: dict[str, int],
     counts: dict[str, dict[str, dict]],
 ) -> tuple[int, float, int]:
-    """(held bytes, added ms, transient bytes) of integer counts, computed exactly."""
-    held, ms, transient = profile.nonblock_nbytes, [], nonblock_transient(profile)
+    """(bytes the blocks hold, added ms, largest block transient) of integer counts, exactly."""
+    held, ms, transient = 0, [], 0
     for gm in groups:
         g, kg = gm.prof, k[gm.name]
         held += (g.num_blocks - kg) * g.full_nbytes + kg * g.input_nbytes
@@ -112,57 +123,59 @@ def evaluate(
                 ms.append(y * c.ms)
         if kg:
             transient = max(transient, g.transient_nbytes)
+        if kg < g.num_blocks:
+            transient = max(transient, g.plain_transient_nbytes)
     return held, math.fsum(ms), transient
 
 
-def min_activation_nbytes(profile: Profile) -> tuple[int, int]:
-    """(held, transient) of the configuration needing the least memory.
-
-    Per group either every block is checkpointed with everything recomputed (``input_nbytes``
-    each, plus the group's transient) or none is (``full_nbytes`` each); the cheapest mix is found
-    by trying each group's transient as the maximum allowed.
-    """
-    gs = [g for g in profile.groups.values() if g.num_blocks > 0]
-    floor = nonblock_transient(profile)
-    best = (profile.no_checkpoint_nbytes(), floor)
-    for tr in sorted({g.transient_nbytes for g in gs}):
-        held = profile.nonblock_nbytes
-        for g in gs:
-            per = min(g.full_nbytes, g.input_nbytes) if g.transient_nbytes <= tr else g.full_nbytes
-            held += g.num_blocks * per
-        if held + max(tr, floor) < sum(best):
-            best = (held, max(tr, floor))
-    return best
+def min_budget(profile: Profile, static: int | StaticMemory = 0, accumulation: int = 1) -> int:
+    """The smallest budget any policy fits in: the least step peak (`step.extreme_peaks`)."""
+    return extreme_peaks(profile, static, accumulation)[0].peak_nbytes
 
 
-def min_budget(profile: Profile, static_nbytes: int = 0) -> int:
-    """The smallest budget any policy fits in: static + least held + its transient."""
-    held, transient = min_activation_nbytes(profile)
-    return static_nbytes + held + transient
+def no_checkpoint_budget(
+    profile: Profile, static: int | StaticMemory = 0, accumulation: int = 1
+) -> int:
+    """The budget above which nothing needs checkpointing: the step peak with none."""
+    return extreme_peaks(profile, static, accumulation)[1].peak_nbytes
+
+
+def budget_between(
+    profile: Profile, static: int | StaticMemory, fraction: float, accumulation: int = 1
+) -> int:
+    """The budget `fraction` of the way from the least step peak (0: full recomputation) to the
+    peak without checkpointing (1)."""
+    low, high = extreme_peaks(profile, static, accumulation)
+    return int(low.peak_nbytes + fraction * (high.peak_nbytes - low.peak_nbytes))
 
 
 #: Share of the activation budget (budget - static) left free by default: int4_outlier sizes vary
-#: from block to block and batch to batch (the profile measures one block), and padding masks add
-#: ops the profiled batch may not have.
+#: from block to block and batch to batch (the profile measures one block), and allocators
+#: fragment.
 HEADROOM = 0.03
 
 
 def planned_budget(
-    budget_nbytes: int, static_nbytes: int, profile: Profile, headroom: float = HEADROOM
+    budget_nbytes: int,
+    static: int | StaticMemory,
+    profile: Profile,
+    headroom: float = HEADROOM,
+    accumulation: int = 1,
 ) -> int:
-    """The budget to solve for: `headroom` of the activation share kept free, unless the whole
-    budget fits no checkpointing at all (nothing data-dependent then) or only the whole fits."""
-    no_checkpoint = static_nbytes + profile.no_checkpoint_nbytes() + nonblock_transient(profile)
-    if budget_nbytes >= no_checkpoint:
+    """The budget to solve for: `headroom` of the share left after static memory kept free, unless
+    the whole budget fits no checkpointing at all (nothing data-dependent then) or only the whole
+    budget fits any policy."""
+    low, high = extreme_peaks(profile, static, accumulation)
+    if budget_nbytes >= high.peak_nbytes:
         return budget_nbytes
-    share = budget_nbytes - static_nbytes
-    planned = budget_nbytes - int(max(0, share) * headroom)
-    return budget_nbytes if planned < min_budget(profile, static_nbytes) else planned
+    total = static.total if isinstance(static, StaticMemory) else int(static)
+    planned = budget_nbytes - int(max(0, budget_nbytes - total) * headroom)
+    return budget_nbytes if planned < low.peak_nbytes else planned
 
 
-def nonblock_transient(profile: Profile) -> int:
-    """Backward temporary outside the blocks (e.g. the logits' gradient), if profiled."""
-    return int(getattr(profile, "nonblock_transient_nbytes", 0) or 0)
+def head_transient(profile: Profile) -> int:
+    """The backward transient outside the blocks that the activation cap must leave room for."""
+    return int(profile.head_transient_nbytes)
 
 
 def recompute_ms(groups: list[GroupModel]) -> float:
@@ -174,16 +187,12 @@ def recompute_ms(groups: list[GroupModel]) -> float:
     return math.fsum(per)
 
 
-def predict(profile: Profile, policy: Policy, static_nbytes: int | StaticMemory = 0) -> Prediction:
-    """Held bytes, added time and peak of any ``policy`` under ``profile``'s cost model.
-
-    Ops a variant does not name count as recompute; a codec the profile did not measure on an op
-    is sized exactly (``Codec.predict_nbytes``) and timed as 0 ms (listed in ``unprofiled``).
-    """
-    static = static_nbytes.total if isinstance(static_nbytes, StaticMemory) else int(static_nbytes)
-    per_block: dict[str, list[int]] = {}
+def block_loads(profile: Profile, policy: Policy) -> tuple[dict[str, list[BlockLoad]], float, list]:
+    """Per group, each block's load under `policy` (in block order), the added ms, and the codecs
+    sized but not timed ("group/op:codec")."""
+    loads: dict[str, list[BlockLoad]] = {}
     ms: list[float] = []
-    held, transient, unprofiled = profile.nonblock_nbytes, nonblock_transient(profile), []
+    unprofiled: list[str] = []
     for name, g in sorted(profile.groups.items()):
         gp = policy.groups.get(name)
         if gp is None or gp.num_blocks != g.num_blocks:
@@ -192,41 +201,74 @@ def predict(profile: Profile, policy: Policy, static_nbytes: int | StaticMemory 
                 f"group {name!r}: the profile has {g.num_blocks} blocks, the policy {have}: "
                 "the policy was made for another model"
             )
-        blocks = []
+        blocks: list[BlockLoad] = []
         for v in gp.variants:
             if v.count == 0:
                 continue
             if not v.checkpoint:
-                blocks += [g.full_nbytes] * v.count
+                blocks += [BlockLoad(name, g.full_nbytes, False)] * v.count
                 continue
-            transient = max(transient, g.transient_nbytes)
             b, t = g.input_nbytes, [g.fixed_ms]
+            kept = kept_saved = kept_shared = enc_ws = dec_ws = 0
             for op in g.ops:
                 if not op.cacheable:
                     continue
                 act = v.action(op.key)
                 if act.kind == "retain":
                     b += op.retain_nbytes
+                    kept += op.retain_nbytes
+                    kept_saved += op.retain_nbytes if op.saved else 0
+                    kept_shared += op.shared_nbytes
                 elif act.kind == "recompute":
                     t.append(op.fwd_ms)
                 elif act.codec in op.codecs:
-                    b += op.codecs[act.codec].nbytes
-                    t.append(op.codecs[act.codec].ms)
+                    cp = op.codecs[act.codec]
+                    b += cp.nbytes
+                    t.append(cp.ms)
+                    enc_ws = max(enc_ws, cp.encode_workspace_nbytes)
+                    dec_ws = max(dec_ws, cp.decode_workspace_nbytes)
                 else:
                     codec = get_codec(act.codec, **dict(act.params))
                     dtype = getattr(torch, op.dtype.removeprefix("torch."))
                     b += codec.predict_nbytes(op.shape, dtype)
                     unprofiled.append(f"{name}/{op.key}:{act.codec}")
-            blocks += [b] * v.count
-            ms += [math.fsum(t) * v.count]
-        per_block[name] = blocks
-        held += sum(blocks)
+            load = BlockLoad(name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws)
+            blocks += [load] * v.count
+            ms.append(math.fsum(t) * v.count)
+        loads[name] = blocks
+    return loads, math.fsum(ms), sorted(set(unprofiled))
+
+
+def predict(
+    profile: Profile,
+    policy: Policy,
+    static_nbytes: int | StaticMemory = 0,
+    accumulation: int = 1,
+) -> Prediction:
+    """Held bytes, added time and step peak of any ``policy`` under ``profile``'s cost model.
+
+    Ops a variant does not name count as recompute; a codec the profile did not measure on an op
+    is sized exactly (``Codec.predict_nbytes``) and timed as 0 ms (listed in ``unprofiled``).
+    ``static_nbytes``: a `StaticMemory` (gradients, states and optimizer temporaries placed in the
+    step), or a number of bytes resident all step long.
+    """
+    loads, added_ms, unprofiled = block_loads(profile, policy)
+    est: StepEstimate = step_peak(
+        profile, in_forward_order(profile, loads), static_nbytes, accumulation
+    )
+    checkpointed = [g for g, bl in loads.items() if any(b.checkpoint for b in bl)]
+    transient = max(
+        [head_transient(profile), *(profile.groups[g].transient_nbytes for g in checkpointed)]
+    )
+    static = static_nbytes.total if isinstance(static_nbytes, StaticMemory) else int(static_nbytes)
     return Prediction(
-        held_nbytes=held,
-        per_block=per_block,
-        added_ms=math.fsum(ms),
+        held_nbytes=profile.nonblock_nbytes + sum(b.held for bl in loads.values() for b in bl),
+        per_block={g: [b.held for b in bl] for g, bl in loads.items()},
+        added_ms=added_ms,
         transient_nbytes=transient,
         static_nbytes=static,
-        peak_nbytes=static + held + transient,
-        unprofiled=sorted(set(unprofiled)),
+        peak_nbytes=est.peak_nbytes,
+        unprofiled=unprofiled,
+        moment=est.moment,
+        moments=est.moments,
     )

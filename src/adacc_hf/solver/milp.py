@@ -6,11 +6,15 @@ action a, the integer ``y[g,i,a] >= 0`` counts the checkpointed blocks applying 
 (``sum_a y[g,i,a] = K_g``). Costs per op and checkpointed block: retain (0 ms, ``retain_nbytes``),
 compress with codec c (encode + decode ms, encoded bytes), recompute (``fwd_ms``, 0 bytes)::
 
-    minimise   sum_g [K_g fixed_ms_g + sum_{i,a} y t] + 1e-6 sum_g K_g + 1e-9 held_MiB
-    subject to static + nonblock + sum_g [(N_g - K_g) full_g + K_g input_g + sum_{i,a} y m] + T
-               <= budget,    K_g <= N_g z_g,   T >= transient_g z_g,   T >= nonblock_transient
+    minimise   sum_g [K_g fixed_ms_g + sum_{i,a} y t] + 1e-6 sum_g K_g + 1e-9 H
+    subject to H = sum_g [(N_g - K_g) full_g + K_g input_g + sum_{i,a} y m]
+               H <= caps.all,   H + T <= caps.blocks,
+               K_g <= N_g z_g,   T >= transient_g z_g,   N_g - K_g <= N_g w_g,
+               T >= plain_transient_g w_g
 
-(memory in MiB inside the LP). ``split_blocks=False`` is the paper's formulation: one action per
+(memory in MiB inside the LP). The caps come from the step model (`step`): what the budget leaves
+for held activations at the end of forward, and for them plus one block's backward transient at
+the last block's backward; `plan` checks each solution's whole step and moves the caps. ``split_blocks=False`` is the paper's formulation: one action per
 op for all blocks of a group (``K_g = N_g c_g``, ``y = N_g x``, ``c``, ``x`` binary). Neither
 reduction below can change the optimum: actions that another action of the same op beats on both
 time and memory are dropped, and ops with identical costs share one count per action (their
@@ -23,13 +27,28 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import pulp
 
-from ..schema import OpProfile, Profile
+from ..schema import OpProfile
 from .budget import MiB
-from .cost_model import Choice, GroupModel, evaluate, nonblock_transient
+from .cost_model import Choice, GroupModel, evaluate
+
+
+@dataclass(frozen=True)
+class Caps:
+    """The MILP's two memory constraints: what the blocks hold may not exceed ``all_nbytes`` (the
+    end of forward and the head's backward, where everything is held), nor, with the largest
+    block backward transient, ``blocks_nbytes`` (the last block's backward)."""
+
+    all_nbytes: int
+    blocks_nbytes: int
+
+    def shifted(self, delta: int) -> Caps:
+        return Caps(self.all_nbytes + delta, self.blocks_nbytes + delta)
+
 
 EPS_BLOCK_MS = 1e-6  # tie-breaker per checkpointed block: with time equal, checkpoint less
 EPS_MIB_MS = 1e-9  # tie-breaker per MiB held: with time equal, hold less
@@ -94,10 +113,9 @@ def _split_class(ops: list[OpProfile], choices: list[Choice], totals: dict[str, 
 
 def solve_lp(
     groups: list[GroupModel],
-    rhs_nbytes: int,
+    caps: Caps,
     split_blocks: bool,
     backend: Any,
-    floor_nbytes: int = 0,
 ) -> tuple[dict[str, int], dict[str, dict[str, dict[str, int]]], str]:
     """Build and solve the MILP; returns (K, counts, status) or raises `SolverFailure`."""
     prob = pulp.LpProblem("adacc_policy", pulp.LpMinimize)
@@ -105,11 +123,9 @@ def solve_lp(
     held: list[Any] = []
     k_vars: dict[str, tuple[Any, int]] = {}
     y_vars: dict[str, list[tuple[list[OpProfile], list[Choice], dict[str, Any]]]] = {}
-    # T: the transient peak, at least the backward temporary outside the blocks
-    any_transient = any(gm.prof.transient_nbytes > floor_nbytes for gm in groups)
-    t_var = _var(prob, "T", floor_nbytes / MiB, None, pulp.LpContinuous) if any_transient else None
-    if t_var is None:
-        rhs_nbytes -= floor_nbytes
+    # T: the largest transient of a block's backward (checkpointed, or plain)
+    any_transient = any(gm.prof.transient_nbytes or gm.prof.plain_transient_nbytes for gm in groups)
+    t_var = _var(prob, "T", 0, None, pulp.LpContinuous) if any_transient else None
     for gi, gm in enumerate(groups):
         g, n = gm.prof, gm.prof.num_blocks
         if n == 0:
@@ -138,16 +154,23 @@ def solve_lp(
                     held.append(c.nbytes / MiB * scale * ys[c.label])
             prob += pulp.lpSum(ys.values()) == m * k, f"one_action_{gi}_{ci}"
             y_vars[gm.name].append((ops, choices, ys))
-        if t_var is not None and g.transient_nbytes > floor_nbytes:
+        if t_var is None:
+            continue
+        if g.transient_nbytes:  # some block of the group checkpointed
             if split_blocks:
                 z = _var(prob, f"z{gi}", 0, 1, pulp.LpBinary)
                 prob += k <= n * z, f"z_{gi}"
             else:
                 z = k
             prob += t_var >= g.transient_nbytes / MiB * z, f"transient_{gi}"
+        if g.plain_transient_nbytes:  # some block of the group plain
+            w = _var(prob, f"w{gi}", 0, 1, pulp.LpBinary)
+            prob += n - scale * k <= n * w, f"w_{gi}"
+            prob += t_var >= g.plain_transient_nbytes / MiB * w, f"plain_transient_{gi}"
     held_expr = pulp.lpSum(held)
     prob += pulp.lpSum(objective) + EPS_MIB_MS * held_expr
-    prob += held_expr + (t_var if t_var is not None else 0) <= rhs_nbytes / MiB, "budget"
+    prob += held_expr <= caps.all_nbytes / MiB, "held"
+    prob += held_expr + (t_var if t_var is not None else 0) <= caps.blocks_nbytes / MiB, "backward"
 
     try:
         status = prob.solve(backend)
@@ -187,26 +210,24 @@ class SolverFailure(Exception):
 
 
 def run(
-    profile: Profile, groups: list[GroupModel], avail: int, split_blocks: bool, backend: Any
+    groups: list[GroupModel], caps: Caps, split_blocks: bool, backend: Any
 ) -> tuple[dict[str, int], dict, str, str]:
-    """Solve, check the integer solution exactly, and retry once with the budget tightened by
-    any overshoot from the solver's tolerances. Returns (K, counts, status, failure reason)."""
-    rhs = avail - profile.nonblock_nbytes
+    """Solve, check the integer solution exactly against the caps, and retry once with the caps
+    tightened by any overshoot from the solver's tolerances. Returns (K, counts, status, failure
+    reason)."""
     reason = ""
     for _ in range(2):
         try:
-            ks, counts, status = solve_lp(
-                groups, rhs, split_blocks, backend, nonblock_transient(profile)
-            )
+            ks, counts, status = solve_lp(groups, caps, split_blocks, backend)
         except SolverFailure as e:
             return {}, {}, "fallback", str(e)
         bad = check_counts(groups, ks, counts)
-        held, _, tr = evaluate(profile, groups, ks, counts)
-        over = held + tr - avail
+        held, _, tr = evaluate(groups, ks, counts)
+        over = max(held - caps.all_nbytes, held + tr - caps.blocks_nbytes)
         if not bad and over <= 0:
             return ks, counts, status, ""
-        reason = bad or f"the solution overshoots the budget by {over} bytes"
-        rhs -= max(over, 1)
+        reason = bad or f"the solution overshoots its cap by {over} bytes"
+        caps = Caps(caps.all_nbytes - max(over, 1), caps.blocks_nbytes - max(over, 1))
     return {}, {}, "fallback", reason
 
 

@@ -17,16 +17,11 @@ from ..errors import BudgetError, PolicyError
 from ..policy import Policy
 from ..schema import Profile
 from .budget import fmt_bytes, resolve_budget
-from .cost_model import (
-    evaluate,
-    group_models,
-    min_activation_nbytes,
-    nonblock_transient,
-    recompute_ms,
-)
-from .milp import make_solver, run
+from .cost_model import Prediction, group_models, predict, recompute_ms
+from .milp import Caps, make_solver, run
 from .realise import Solution, full_recompute_counts, policy_from_counts, solve_metadata
 from .static import StaticMemory
+from .step import StepEstimate, extreme_peaks, lp_caps
 
 
 def solve(
@@ -40,8 +35,9 @@ def solve(
     time_limit_s: float = 10.0,
     split_blocks: bool = True,
     mip_gap: float = 1e-3,
+    accumulation: int = 1,
 ) -> Solution:
-    """Solve for the fastest per-op policy of ``profile`` that fits in ``budget``.
+    """Solve for the fastest per-op policy of ``profile`` whose step peaks within ``budget``.
 
     ``budget`` is anything `parse_budget` reads (``%`` and ``auto`` refer to ``profile.device``);
     ``static_nbytes`` is the policy-independent memory (see `estimate_static_memory`). Only
@@ -49,8 +45,9 @@ def solve(
     ``<= max_rel_error`` (``None``: any) are used. The solver stops once its policy is provably
     within ``mip_gap`` x (the added time of full recomputation) of the optimum (``0``: prove
     optimality; that can take seconds on near-symmetric blocks), or after ``time_limit_s`` with
-    the best policy found. Raises `BudgetError` when no policy fits. A solver failure falls back
-    to full recomputation with a warning.
+    the best policy found. ``accumulation`` > 1: gradients are alive through every micro-batch
+    but the first. Raises `BudgetError` when no policy fits. A solver failure falls back to full
+    recomputation with a warning.
     """
     t0 = time.perf_counter()
     resolved = resolve_budget(budget, profile.device)
@@ -64,40 +61,47 @@ def solve(
         raise ValueError(f"mip_gap must be >= 0, got {mip_gap!r}")
     if max_rel_error is not None and not max_rel_error >= 0:
         raise ValueError(f"max_rel_error must be >= 0 or None, got {max_rel_error!r}")
+    if accumulation < 1:
+        raise ValueError(f"accumulation must be >= 1, got {accumulation!r}")
     groups = group_models(profile, allowed, max_rel_error)
     budget_nbytes = resolved.nbytes
-    act_min, tr_min = min_activation_nbytes(profile)
-    min_budget = static + act_min + tr_min
-    if budget_nbytes < min_budget:
-        raise BudgetError(
-            infeasible_message(profile, budget_nbytes, static_nbytes, act_min, tr_min)
-        )
+    low, high = extreme_peaks(profile, static_nbytes, accumulation)
+    if budget_nbytes < low.peak_nbytes:
+        raise BudgetError(infeasible_message(profile, budget_nbytes, static_nbytes, low))
+
+    def realise(ks: dict, counts: dict) -> tuple[Policy, Prediction]:
+        policy = policy_from_counts(profile, groups, ks, counts)
+        return policy, predict(profile, policy, static_nbytes, accumulation)
 
     label = solver
-    floor = nonblock_transient(profile)
-    if static + profile.no_checkpoint_nbytes() + floor <= budget_nbytes:
+    if high.peak_nbytes <= budget_nbytes:
         ks = {gm.name: 0 for gm in groups}
         counts = {gm.name: {op.key: {} for op, _ in gm.ops} for gm in groups}
         status = "fits"
+        policy, pred = realise(ks, counts)
     else:
         backend, label = make_solver(solver, time_limit_s, mip_gap * recompute_ms(groups))
-        ks, counts, status, reason = run(
-            profile, groups, budget_nbytes - static, split_blocks, backend
-        )
+        caps = Caps(*lp_caps(profile, budget_nbytes, static_nbytes, accumulation))
+        found = _search(groups, budget_nbytes, caps, split_blocks, backend, realise)
+        if found is None:
+            status = "fallback"
+        else:
+            ks, counts, status, policy, pred = found
         if status == "fallback":
             warnings.warn(
-                f"the policy solver failed ({reason}); falling back to full recomputation",
+                "the policy solver found no policy that fits (or failed); falling back to full "
+                "recomputation",
                 stacklevel=2,
             )
+            status = "fallback"
             ks, counts = full_recompute_counts(groups)
+            policy, pred = realise(ks, counts)
         elif status == "feasible":
             warnings.warn(
                 f"the solver hit its {time_limit_s:g} s time limit: the policy fits but may not "
                 "be optimal (raise time_limit_s)",
                 stacklevel=2,
             )
-    held, added, tr = evaluate(profile, groups, ks, counts)
-    policy = policy_from_counts(profile, groups, ks, counts)
     solve_ms = (time.perf_counter() - t0) * 1e3
     sol = Solution(
         policy=policy,
@@ -106,18 +110,68 @@ def solve(
         solve_ms=solve_ms,
         budget_nbytes=budget_nbytes,
         static_nbytes=static,
-        held_nbytes=held,
-        transient_nbytes=tr,
-        peak_nbytes=static + held + tr,
-        added_ms=added,
-        min_budget_nbytes=min_budget,
+        held_nbytes=pred.held_nbytes,
+        transient_nbytes=pred.transient_nbytes,
+        peak_nbytes=pred.peak_nbytes,
+        added_ms=pred.added_ms,
+        min_budget_nbytes=low.peak_nbytes,
+        moment=pred.moment,
         checkpointed=ks,
         counts=counts,
     )
-    policy.metadata = solve_metadata(profile, sol, str(budget), resolved.how, split_blocks)
+    policy.metadata = solve_metadata(profile, sol, pred, str(budget), resolved.how, split_blocks)
     policy.metadata["mip_gap"] = mip_gap
     policy.metadata["gap_ms"] = mip_gap * recompute_ms(groups)
+    policy.metadata["accumulation"] = accumulation
     return sol
+
+
+#: The cap search stops once a fitting policy leaves less than this share of the budget unused.
+CAP_TOLERANCE = 0.002
+CAP_STEPS = 12
+
+
+def _search(groups, budget, caps, split_blocks, backend, realise):
+    """The fastest MILP policy whose whole step peaks within `budget`.
+
+    The MILP bounds the blocks' held bytes by two caps (`milp.Caps`, first from the step model at
+    full recomputation's timeline); the step's peak also depends on where in backward the
+    gradients meet the activations, so each candidate is checked with the step model and both caps
+    move by the overshoot (or the room left), then are bisected. Returns (K, counts, status,
+    policy, prediction) of the fastest fitting candidate, or None.
+    """
+    lo = hi = None  # cap shifts known to fit / not to fit
+    best = None
+    shift = 0
+    for _ in range(CAP_STEPS):
+        ks, counts, status, _reason = run(groups, caps.shifted(shift), split_blocks, backend)
+        if status == "fallback":  # the solver failed, or nothing holds this little
+            if lo is None and best is None and shift >= 0:
+                return None
+            hi = shift if hi is None else min(hi, shift)
+        else:
+            policy, pred = realise(ks, counts)
+            room = budget - pred.peak_nbytes
+            if room >= 0:
+                if best is None or (pred.added_ms, pred.peak_nbytes) < (
+                    best[4].added_ms,
+                    best[4].peak_nbytes,
+                ):
+                    best = (ks, counts, status, policy, pred)
+                lo = shift if lo is None else max(lo, shift)
+                if room <= CAP_TOLERANCE * budget or pred.added_ms == 0:
+                    break
+            else:
+                hi = shift if hi is None else min(hi, shift)
+        if lo is not None and hi is not None:
+            if hi - lo <= CAP_TOLERANCE * budget:
+                break
+            shift = (lo + hi) // 2
+        elif lo is not None:
+            shift += max(room, 1)
+        else:
+            shift -= max(-room if status != "fallback" else budget // 16, 1)
+    return best
 
 
 def solve_policy(
@@ -131,6 +185,7 @@ def solve_policy(
     time_limit_s: float = 10.0,
     split_blocks: bool = True,
     mip_gap: float = 1e-3,
+    accumulation: int = 1,
 ) -> Policy:
     """The `Policy` of `solve` (same arguments); its metadata holds the predicted numbers."""
     return solve(
@@ -143,6 +198,7 @@ def solve_policy(
         time_limit_s=time_limit_s,
         split_blocks=split_blocks,
         mip_gap=mip_gap,
+        accumulation=accumulation,
     ).policy
 
 
@@ -162,36 +218,35 @@ def check_codecs(profile: Profile, codecs: Iterable[str] | None) -> set[str] | N
 
 
 def infeasible_message(
-    profile: Profile,
-    budget: int,
-    static: int | StaticMemory,
-    act: int,
-    transient: int,
+    profile: Profile, budget: int, static: int | StaticMemory, least: StepEstimate
 ) -> str:
-    st = static.total if isinstance(static, StaticMemory) else int(static)
-    need = st + act + transient
+    """Why no policy fits: the least step peak, the moment that sets it, and what to change."""
+    need = least.peak_nbytes
     if isinstance(static, StaticMemory):
+        st = static.total + static.buffers
         parts = (
             f"parameters {fmt_bytes(static.params)}, gradients {fmt_bytes(static.grads)}, "
             f"optimizer states {fmt_bytes(static.optimizer + static.master_weights)}"
         )
+        if static.optimizer_step:
+            parts += f"; the optimizer step adds {fmt_bytes(static.optimizer_step)} of temporaries"
     else:
-        parts = "parameters, gradients, optimizer states"
+        st, parts = int(static), "parameters, gradients, optimizer states"
+    act = need - st
     msg = (
         f"no activation policy fits in a budget of {fmt_bytes(budget)} ({budget} bytes): the "
-        f"smallest feasible budget is {fmt_bytes(need)} ({need} bytes) = static memory "
-        f"{fmt_bytes(st)} ({parts}) + activations under full recomputation {fmt_bytes(act)} "
-        f"(block inputs + {fmt_bytes(profile.nonblock_nbytes)} outside the blocks) + "
-        f"{fmt_bytes(transient)} transient during backward (one block's recompute, or the "
-        "gradient of the outputs). "
+        f"smallest feasible budget is {fmt_bytes(need)} ({need} bytes), the step's peak under "
+        f"full recomputation, reached at its '{least.moment}' moment: static memory "
+        f"{fmt_bytes(st)} ({parts}) + {fmt_bytes(act)} of activations, gradients in flight and "
+        f"transients ({fmt_bytes(profile.full_recompute_nbytes())} held for backward). "
     )
     if st >= budget:
         msg += f"Static memory alone ({fmt_bytes(st)}) exceeds the budget. "
-    if st >= act + transient:
+    if st >= act or least.moment in ("optimizer", "tail"):
         return msg + (
-            "Static memory dominates: raise the budget, use an 8-bit optimizer "
-            "(optim='adamw_bnb_8bit'), shard with ZeRO / FSDP or offload the optimizer, "
-            "or train fewer parameters (LoRA)."
+            "Static memory dominates: raise the budget, use an 8-bit or fused optimizer "
+            "(optim='adamw_bnb_8bit' / 'adamw_torch_fused'), shard with ZeRO / FSDP or offload "
+            "the optimizer, or train fewer parameters (LoRA)."
         )
     return msg + (
         "Activations dominate: raise the budget, use a smaller micro-batch (with gradient "

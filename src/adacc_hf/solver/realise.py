@@ -1,9 +1,11 @@
 """Realisation: the solver's integer counts turned into a `Policy` (variants of blocks).
 
 For a group with ``K`` checkpointed blocks and, per op, ``y[a]`` blocks applying action ``a``,
-block ``j < K`` applies the ``j``-th action in the order of the op's cumulative counts; runs of
-blocks with equal action tables share one variant, and the ``N - K`` blocks without checkpointing
-form the last one.
+block ``j < K`` applies the ``(K-1-j)``-th action in the order of the op's cumulative counts
+(retain, compress, recompute): the blocks that hold the most come last, so backward (which runs
+the blocks from the last) frees them first while gradients are still few. Runs of blocks with
+equal action tables share one variant, and the ``N - K`` blocks without checkpointing form the
+last one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from ..policy import Policy
 from ..schema import RECOMPUTE, GroupPolicy, Profile, Variant
-from .cost_model import GroupModel, predict
+from .cost_model import GroupModel, Prediction
 
 
 @dataclass
@@ -28,9 +30,10 @@ class Solution:
     static_nbytes: int
     held_nbytes: int  # activation bytes held for backward (all blocks + outside them)
     transient_nbytes: int
-    peak_nbytes: int  # static + held + transient
+    peak_nbytes: int  # the step's predicted peak (cost_model.predict)
     added_ms: float  # extra time per step vs no checkpointing (the objective, no tie-breaker)
     min_budget_nbytes: int  # the smallest budget any policy fits in
+    moment: str = ""  # the moment of the step that sets the peak (see solver.step)
     checkpointed: dict[str, int] = field(default_factory=dict)  # K_g per group
     counts: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # g -> op -> a -> y
 
@@ -44,7 +47,7 @@ def full_recompute_counts(groups: list[GroupModel]) -> tuple[dict[str, int], dic
 
 
 def variants(gm: GroupModel, k: int, counts: dict[str, dict[str, int]]) -> list[Variant]:
-    """Block j < K applies, per op, the j-th action in the order of its cumulative counts."""
+    """Block j < K applies, per op, the (K-1-j)-th action in the order of its cumulative counts."""
     blocks: list[tuple[str, ...]] = []
     for j in range(k):
         labels = []
@@ -52,7 +55,7 @@ def variants(gm: GroupModel, k: int, counts: dict[str, dict[str, int]]) -> list[
             acc = 0
             for c in choices:
                 acc += counts[op.key].get(c.label, 0)
-                if j < acc:
+                if k - 1 - j < acc:
                     labels.append(c.label)
                     break
             else:
@@ -92,9 +95,8 @@ def policy_from_counts(
 
 
 def solve_metadata(
-    profile: Profile, sol: Solution, spec: str, how: str, split_blocks: bool
+    profile: Profile, sol: Solution, pred: Prediction, spec: str, how: str, split_blocks: bool
 ) -> dict[str, Any]:
-    pred = predict(profile, sol.policy, sol.static_nbytes)
     per_group: dict[str, list[dict[str, Any]]] = {}
     for name, gp in sol.policy.groups.items():
         blocks, i, rows = pred.per_block[name], 0, []
@@ -123,6 +125,7 @@ def solve_metadata(
             "groups": per_group,
             "transient_nbytes": sol.transient_nbytes,
             "peak_nbytes": sol.peak_nbytes,
+            "peak_moment": pred.moment,
             "added_ms": sol.added_ms,
             "min_budget_nbytes": sol.min_budget_nbytes,
         },

@@ -17,6 +17,13 @@ a step. Rules (per trainable parameter of ``n`` elements at ``e`` bytes each):
 * master weights (``master_weights=True``, DeepSpeed-style mixed precision with 16-bit
   parameters): 4 bytes per element. AMP with fp32 parameters needs no master copy.
 
+The optimizer step's own temporaries (``optimizer_step``, alive only inside ``optimizer.step()``),
+as torch 2.13 and bitsandbytes 0.50 allocate them, measured per optimizer in the tests: on CPU,
+where torch's optimizers loop over parameters one at a time, a multiple of the largest trainable
+parameter (AdamW / Adagrad / RMSprop / Adafactor 2x: ``sqrt`` then a division; SGD 1x with weight
+decay; bitsandbytes 8-bit 5x and 32-bit Lion 3x on CPU); fused AdamW none. On CUDA torch's foreach
+path computes the square roots of every parameter of a group at once: 1x the trainable bytes.
+
 Sharding over ``world_size``: ZeRO-1 divides optimizer states and master weights, ZeRO-2 also
 gradients, ZeRO-3 and FSDP (full shard) also parameters. ``offload_optimizer`` keeps optimizer
 states and master weights off the device.
@@ -107,10 +114,18 @@ class StaticMemory:
     num_params: int = 0
     num_trainable: int = 0
     note: str = ""
+    buffers: int = 0  # model buffers (rotary tables, position ids)
+    optimizer_step: int = 0  # temporaries alive inside optimizer.step()
 
     @property
     def total(self) -> int:
+        """Parameters, gradients, optimizer states and master weights (what persists)."""
         return self.params + self.grads + self.optimizer + self.master_weights
+
+    @property
+    def resident(self) -> int:
+        """On the device all step long, gradients aside: parameters, buffers, states, masters."""
+        return self.params + self.buffers + self.optimizer + self.master_weights
 
     def describe(self) -> str:
         """A small table: one line per component, then the total."""
@@ -145,6 +160,21 @@ def _unique_params(model: nn.Module) -> list[nn.Parameter]:
         seen.add(key)
         out.append(p)
     return out
+
+
+#: optimizer.step() temporaries on CPU, in units of the largest trainable parameter (see above).
+_STEP_LARGEST_CPU = {"param": 2, "fp32": 3, "8bit": 5, "factored": 2}
+
+
+def _step_nbytes(name: str, opt: _OptimizerModel, largest: int, trainable: int, cuda: bool) -> int:
+    n = name.lower()
+    if n in ("sgd", "sgd_momentum"):
+        return trainable if cuda else largest  # with weight decay: grad + wd * param
+    if "fused" in n:
+        return 0
+    if cuda:
+        return largest if opt.kind in ("8bit", "fp32", "factored") else trainable
+    return _STEP_LARGEST_CPU[opt.kind] * largest
 
 
 def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel) -> int:
@@ -193,7 +223,7 @@ def estimate_static_memory(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise BudgetError(f"world_size must be an int >= 1, not {world_size!r}")
 
-    params = grads = states = master = 0
+    params = grads = states = master = largest = 0
     num = trainable = 0
     any_8bit = False
     for p in _unique_params(model):
@@ -204,6 +234,7 @@ def estimate_static_memory(
             continue
         trainable += n
         grads += n * e
+        largest = max(largest, n * e)
         states += _state_nbytes(p, opt)
         any_8bit |= opt.kind == "8bit" and n >= BNB_MIN_8BIT_SIZE
         if master_weights and p.is_floating_point() and e < 4:
@@ -220,9 +251,13 @@ def estimate_static_memory(
         notes.append(f"{'FSDP full shard' if fsdp else f'ZeRO-{stage}'} over {world_size}")
     if offload_optimizer:
         notes.append("optimizer offloaded")
+    cuda = any(p.device.type == "cuda" for p in model.parameters())
+    step = _step_nbytes(optimizer, opt, largest, grads, cuda)
     states, master = shard(states, stage >= 1), shard(master, stage >= 1)
+    step = shard(step, stage >= 1)
     if offload_optimizer:
-        states = master = 0
+        states = master = step = 0
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return StaticMemory(
         params=shard(params, stage >= 3),
         grads=shard(grads, stage >= 2),
@@ -231,6 +266,8 @@ def estimate_static_memory(
         num_params=num,
         num_trainable=trainable,
         note=", ".join(notes),
+        buffers=buffers,
+        optimizer_step=step,
     )
 
 

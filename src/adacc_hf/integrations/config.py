@@ -1,0 +1,90 @@
+"""`AdaccConfig`: what a session does (the options of `AdaccTrainingArguments` / `prepare`) and
+what the run decides (optimizer, mixed precision, accumulation, sharding)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..codecs import CodecError, get_codec
+from ..errors import AdaccError
+from ..solver import HEADROOM
+
+MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class AdaccConfig:
+    """What an `AdaccSession` does; `AdaccTrainingArguments` fills it from `adacc_*` fields and
+    `run_config` from the run (optimizer, mixed precision, accumulation, sharding)."""
+
+    budget: int | str = "auto"
+    codecs: list[str] | None = None  # codecs the solver may pick (None: each layer type's own)
+    zscore_threshold: float = 3.0
+    adaptive: bool = True
+    max_tracking_interval: int = 1024
+    solver: str = "cbc"
+    solver_time_limit: float = 10.0
+    max_codec_error: float = 0.5
+    split_blocks: bool = True
+    optimizer: str = "adamw_torch"
+    mixed_precision: str | None = None  # "bf16" / "fp16": forwards autocast to it
+    gradient_accumulation_steps: int = 1
+    max_seq_len: int | None = None  # the longest batch of the run (planned up front), if known
+    zero_stage: int = 0
+    fsdp: bool = False
+    world_size: int = 1
+    offload_optimizer: bool = False
+    master_weights: bool = False  # fp32 copies of 16-bit parameters (DeepSpeed mixed precision)
+    profile_repeats: int = 3
+    # Fraction of the budget above static memory the solver leaves free for batch-to-batch
+    # variation (int4_outlier sizes vary by block and batch) and fragmentation.
+    headroom: float = HEADROOM
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.headroom < 0.5:
+            raise AdaccError(f"headroom must be in [0, 0.5), got {self.headroom}")
+        if self.codecs is not None:
+            for name in self.codecs:
+                try:
+                    get_codec(name)
+                except CodecError as e:
+                    raise AdaccError(f"adacc codecs: {e}") from None
+        if self.max_tracking_interval < 1:
+            raise AdaccError("max_tracking_interval must be >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise AdaccError(f"zero_stage must be 0-3, got {self.zero_stage}")
+        if self.mixed_precision not in (None, "no", *MIXED_PRECISION_DTYPES):
+            raise AdaccError(
+                f"mixed_precision must be 'bf16', 'fp16', 'no' or None, not {self.mixed_precision!r}"
+            )
+        if self.gradient_accumulation_steps < 1:
+            raise AdaccError("gradient_accumulation_steps must be >= 1")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise AdaccError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+
+    def codec_params(self) -> dict[str, dict[str, Any]]:
+        return {"int4_outlier": {"zscore_threshold": self.zscore_threshold}}
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The dtype forwards autocast to (None: no mixed precision configured)."""
+        return MIXED_PRECISION_DTYPES.get(self.mixed_precision or "")
+
+
+def detect_autocast(model: torch.nn.Module, device: torch.device) -> torch.dtype | None:
+    """The autocast a training forward of `model` will run under, seen from a forward pre-hook:
+    an autocast region the caller entered, or Accelerate's (it wraps ``model.forward``, so its
+    autocast starts after the hooks run)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    if hasattr(model, "_original_forward"):  # accelerate.Accelerator.prepare with mixed precision
+        try:
+            from accelerate.state import AcceleratorState, is_initialized
+        except ImportError:  # pragma: no cover
+            return None
+        if is_initialized():
+            return MIXED_PRECISION_DTYPES.get(str(AcceleratorState().mixed_precision))
+    return None

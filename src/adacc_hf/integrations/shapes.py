@@ -1,0 +1,101 @@
+"""Batch shapes and their buckets: one plan per bucket, so the budget holds for every batch.
+
+With dynamic padding every batch has another length. A batch's *shape key* is its micro-batch
+size and its sequence lengths rounded up to a bucket edge (multiples of 8 up to 64, then four
+edges per doubling: 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, ...: at most 25 % apart and
+every power of two an edge; one length for decoder-only and encoder models, the encoder's and the
+decoder's for encoder-decoder models), and whether its attention mask masks anything: attention
+takes another path with padding than without (other ops), so the two get separate plans. A bucket
+is planned at its edge, on the run's own batch padded up to it (pad tokens, labels -100, the
+attention mask extended with 0 when the batch has padding and with 1 when it has none), so every
+batch of the bucket holds no more than what was profiled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+#: Attention masks: whether one masks anything sets the attention path.
+MASK_KEYS = ("attention_mask", "decoder_attention_mask")
+#: Keys whose dimension 1 is the decoder's sequence in encoder-decoder models.
+DECODER_KEYS = frozenset({"labels", "decoder_input_ids", "decoder_attention_mask"})
+#: What a padded position holds, per batch key (others: 0).
+PAD_VALUES = {
+    "labels": -100,
+    "attention_mask": 0,
+    "decoder_attention_mask": 0,
+    "token_type_ids": 0,
+}
+
+ShapeKey = tuple[int, ...]
+
+
+def bucket_edge(length: int, max_length: int | None = None) -> int:
+    """The smallest bucket edge >= `length` (``max_length`` caps the edges)."""
+    if length <= 64:
+        edge = max(8, math.ceil(length / 8) * 8)
+    else:
+        octave = 2 ** (math.ceil(length).bit_length() - 1)  # the power of two <= length
+        step = octave // 4
+        edge = math.ceil(length / step) * step
+    return min(edge, max_length) if max_length and max_length >= length else edge
+
+
+def _lengths(batch: Mapping[str, Any], encoder_decoder: bool) -> tuple[int, int]:
+    """(micro-batch size, (encoder) sequence length, decoder sequence length or 0)."""
+    size = enc = dec = 0
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor) or v.dim() < 2:
+            continue
+        size = max(size, v.shape[0])
+        if encoder_decoder and k in DECODER_KEYS:
+            dec = max(dec, v.shape[1])
+        else:
+            enc = max(enc, v.shape[1])
+    return size, enc, dec
+
+
+def has_padding(batch: Mapping[str, Any]) -> bool:
+    """Whether an attention mask of `batch` masks a position (reads the mask: a device sync, as
+    transformers' own mask preparation does)."""
+    masks = [batch[k] for k in MASK_KEYS if isinstance(batch.get(k), torch.Tensor)]
+    return any(not bool(m.all()) for m in masks)
+
+
+def shape_key(
+    batch: Mapping[str, Any], encoder_decoder: bool, max_length: int | None = None
+) -> ShapeKey:
+    """(micro-batch size, bucketed length[, bucketed decoder length], padded?) of `batch`."""
+    size, enc, dec = _lengths(batch, encoder_decoder)
+    key = (size, bucket_edge(enc, max_length))
+    if encoder_decoder:
+        key = (*key, bucket_edge(dec, max_length))
+    return (*key, int(has_padding(batch)))
+
+
+def padded(batch: Mapping[str, Any], key: ShapeKey, pad_token_id: int | None) -> dict[str, Any]:
+    """`batch` padded on the right (dimension 1) up to the lengths of `key` (dimension 0 up to its
+    micro-batch size, repeating the last row), for profiling at the bucket's edge; attention masks
+    are extended with 0 only in a bucket of padded batches."""
+    size, length, masked = key[0], key[1], bool(key[-1])
+    dec_length = key[2] if len(key) > 3 else length
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor) or v.dim() < 2:
+            out[k] = v
+            continue
+        target = dec_length if len(key) > 3 and k in DECODER_KEYS else length
+        pad_value = PAD_VALUES.get(k, pad_token_id if "input_ids" in k and pad_token_id else 0)
+        if k in MASK_KEYS and not masked:
+            pad_value = 1  # the batch attends everywhere: so does its profile
+        if v.shape[1] < target:
+            fill = v.new_full((v.shape[0], target - v.shape[1], *v.shape[2:]), pad_value)
+            v = torch.cat([v, fill], dim=1)
+        if v.shape[0] < size:
+            v = torch.cat([v, v[-1:].expand(size - v.shape[0], *v.shape[1:])], dim=0)
+        out[k] = v
+    return out

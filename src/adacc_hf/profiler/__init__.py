@@ -1,0 +1,151 @@
+"""The profiler: one block of each group measured on the real device, micro-batch and autocast.
+
+`profile_model(model, sample_batch)` returns a `Profile`: per op (`ops`) its forward time, output
+bytes and, for each codec that applies, the encoded bytes, encode + decode time and error on the
+real activation; per block group (`memory`) what a checkpointed and a plain block hold, the
+transients of their backward, their gradients and their place in the model; outside the blocks
+what is held before and after them and the transients of the loss, the head and the embeddings.
+It runs under full recomputation (plus one block at a time without it), so it fits wherever full
+recomputation fits. The solver turns a Profile and a budget into a Policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._version import __version__
+from ..adapters import get_adapter, unwrap_model
+from ..runtime.trace import autocast_context, run_representatives
+from ..schema import GroupProfile, Profile
+from .memory import StepMemory, measure
+from .ops import GroupOps, candidate_codecs, op_visitor, profile_codec
+
+__all__ = ["Profile", "StepMemory", "candidate_codecs", "profile_codec", "profile_model"]
+
+
+def _grad_nbytes(modules: Iterable[nn.Module]) -> int:
+    seen, total = set(), 0
+    for m in modules:
+        for p in m.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                total += (getattr(p, "ds_numel", 0) or p.numel()) * p.element_size()
+    return total
+
+
+def _group_of(groups: list, base: nn.Module, adapter: Any) -> list:
+    """Each block's group, in forward order."""
+    by_id = {id(m): g for g in groups for m in g.modules}
+    return [by_id[id(mod)] for _, mod in adapter.find_blocks(base)]
+
+
+def profile_model(
+    model: nn.Module,
+    sample_batch: Mapping[str, Any],
+    *,
+    codecs: Iterable[str] | None = None,
+    codec_params: Mapping[str, Mapping[str, Any]] | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    autocast: torch.dtype | None = None,
+    reference: Profile | None = None,
+) -> Profile:
+    """Measure one block of each group on the model's device with the real micro-batch.
+
+    `codecs` widens the codecs profiled per op (default: the layer type's own codec),
+    `codec_params` sets their parameters (e.g. the outlier z-score threshold); `repeats` timed runs
+    after `warmup` give medians; `autocast`: the dtype the run's forward autocasts to (bf16 /
+    fp16 mixed precision), so ops, sizes and times are those of the run. With a `reference`
+    profile of the same model at another batch shape, op costs are scaled from it (memory is
+    always measured).
+    """
+    t_start = time.perf_counter()
+    adapter = get_adapter(model)
+    base = unwrap_model(model)
+    device = next(base.parameters()).device
+    handle = base.__dict__.get("_adacc_handle")
+    active = handle.policy if handle is not None and handle.active else None
+    if active is not None:
+        handle.remove()
+    measured: dict[str, GroupOps] = {}
+    visit = op_visitor(
+        device,
+        measured,
+        codecs=codecs,
+        codec_params=codec_params,
+        repeats=repeats,
+        warmup=warmup,
+        reference=reference.groups if reference is not None else None,
+    )
+    try:
+        with autocast_context(device, autocast, cache=False):
+            run_representatives(base, sample_batch, visit)
+        groups = adapter.block_groups(base)
+        specs = {g.name: [o.spec() for o in measured[g.name].ops] for g in groups}
+        mem = measure(base, dict(sample_batch), groups, specs, autocast)
+    finally:
+        if active is not None:
+            handle.set_policy(active)
+
+    positions = {id(mod): i for i, (_, mod) in enumerate(adapter.find_blocks(base))}
+    gprofs = {}
+    for g in groups:
+        m = measured[g.name]
+        gprofs[g.name] = GroupProfile(
+            name=g.name,
+            num_blocks=len(g.modules),
+            input_nbytes=mem.held[g.name],
+            full_nbytes=mem.full[g.name],
+            fixed_ms=m.fixed_ms,
+            transient_nbytes=mem.block_transient[g.name],
+            block_fwd_ms=m.block_fwd_ms,
+            ops=m.ops,
+            plain_transient_nbytes=mem.plain_transient[g.name],
+            output_nbytes=mem.output_nbytes[g.name],
+            grad_nbytes=_grad_nbytes([g.modules[0]]),
+            positions=[positions[id(mod)] for mod in g.modules],
+            forward_transient_nbytes=mem.block_fwd_transient.get(g.name, 0),
+            plain_forward_transient_nbytes=mem.plain_fwd_transient.get(g.name, 0),
+            full_interior_nbytes=mem.full_interior.get(g.name, 0),
+        )
+    blocks_grads = sum(gp.grad_nbytes * gp.num_blocks for gp in gprofs.values())
+    nonblock_grads = max(0, _grad_nbytes([base]) - blocks_grads)
+    timeline = mem.timeline
+    if timeline is not None:  # gradients alive when each block's backward starts: those after it
+        per_block = [gprofs[g.name].grad_nbytes for g in _group_of(groups, base, adapter)]
+        after = [sum(per_block[j + 1 :]) for j in range(len(per_block))]
+        timeline.grads = [nonblock_grads + a for a in after]
+    shapes = {k: list(v.shape) for k, v in sample_batch.items() if isinstance(v, torch.Tensor)}
+    dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
+    dev_name = str(device)
+    if device.type == "cuda":
+        dev_name += f" ({torch.cuda.get_device_name(device)})"
+    return Profile(
+        model_type=base.config.model_type,
+        adapter=adapter.name,
+        adapter_version=adapter.version,
+        device=dev_name,
+        dtype=str(dtype),
+        batch_shape=shapes,
+        groups=gprofs,
+        nonblock_nbytes=mem.before + mem.after,
+        head_transient_nbytes=mem.head_transient,
+        profile_ms=(time.perf_counter() - t_start) * 1e3,
+        autocast=str(autocast) if autocast is not None else None,
+        nonblock_before_nbytes=mem.before,
+        forward_transient_nbytes=mem.forward_transient,
+        tail_transient_nbytes=mem.tail_transient,
+        nonblock_grad_nbytes=nonblock_grads,
+        batch_nbytes=sum(
+            v.numel() * v.element_size()
+            for v in sample_batch.values()
+            if isinstance(v, torch.Tensor)
+        ),
+        timeline=timeline,
+        library_version=__version__,
+    )

@@ -1,0 +1,264 @@
+"""Memory of one training step, measured on the real model, device and batch.
+
+Two kinds of run, each a forward and a backward of the whole model under the allocation tracker
+(`runtime.peak.AllocationTracker`), with marks at the moment each block's backward starts (the
+gradient of its output arrives) and ends (the gradient of its input is computed):
+
+* every block checkpointed with everything recomputed (full recomputation): what a checkpointed
+  block holds (its input, and tensors like T5's position bias that later blocks read), what is held
+  outside the blocks before and after them, the forward's own temporaries, and the backward
+  transients: the loss and head, each block's recompute + backward, the embeddings at the end;
+* per block group, its first block without checkpointing (every other block checkpointed): what a
+  plain block holds and the transients of its forward and backward. Measuring a plain block next
+  to checkpointed ones is the conservative case: a plain neighbour would save some of the same
+  tensors;
+* per block group with two blocks or more, its first two blocks without checkpointing (forward
+  only): what a plain block holds when the next one is plain too (under autocast the next block
+  may save a cast of its input rather than the input).
+
+Backward runs as ``torch.autograd.grad`` over the trainable parameters: gradients are allocated as
+in training (and so are counted), but nothing accumulates into ``.grad`` and no
+gradient-accumulation hook fires (DDP's reducer stays untouched). Sharded models (ZeRO-3, FSDP2)
+skip the backward runs: their backward gathers and scatters parameters across ranks; the transients
+are then estimated from the held bytes (see `estimate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..adapters import BlockGroup, get_adapter
+from ..policy import Policy
+from ..runtime import apply_adacc
+from ..runtime.memory import recorded_forward
+from ..runtime.peak import AllocationTracker
+from ..runtime.trace import autocast_context, devices_of, model_kwargs, train_mode
+from ..schema import GroupPolicy, OpSpec, Timeline, Variant
+
+
+@dataclass
+class StepMemory:
+    """What one step holds and how high its transients go (bytes)."""
+
+    held: dict[str, int]  # a checkpointed block (full recomputation), mean per group
+    full: dict[str, int]  # a block without checkpointing, per group
+    before: int  # held outside the blocks, created before the first block (embeddings, masks)
+    after: int  # held outside the blocks, created after (final norm, logits, loss)
+    largest_other: int  # the largest single storage held outside the blocks
+    output_nbytes: dict[str, int]  # a block's output: the gradient its backward starts from
+    forward_transient: int = 0  # forward peak above the level held at its end
+    head_transient: int = 0  # loss + head backward, above the level when backward starts
+    block_transient: dict[str, int] = field(default_factory=dict)  # checkpointed block backward
+    plain_transient: dict[str, int] = field(default_factory=dict)  # plain block backward
+    block_fwd_transient: dict[str, int] = field(default_factory=dict)  # checkpointed, forward
+    plain_fwd_transient: dict[str, int] = field(default_factory=dict)  # plain block forward
+    full_interior: dict[str, int] = field(default_factory=dict)  # plain, followed by a plain one
+    tail_transient: int = 0  # backward after the first block (embeddings, tied weights)
+    measured_backward: bool = True
+    timeline: Timeline | None = None  # the full-recomputation step, block by block
+
+
+def _sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in model.parameters())
+
+
+def _policy(
+    base: nn.Module, groups: list[BlockGroup], specs: dict, first: str | None, kind: str = "plain"
+) -> Policy:
+    """Every block checkpointed and recomputed, but the first block of group `first` plain (or,
+    ``kind="pair"``, its first two blocks plain)."""
+    adapter = get_adapter(base)
+    gps = {}
+    for g in groups:
+        n = len(g.modules)
+        plain = 0 if g.name != first else 2 if kind == "pair" else 1
+        variants = [Variant(plain, False), Variant(n - plain, True, {})]
+        gps[g.name] = GroupPolicy(ops=specs[g.name], variants=variants)
+    return Policy(
+        base.config.model_type,
+        adapter.name,
+        gps,
+        {"source": "profiler"},
+        adapter_version=adapter.version,
+    )
+
+
+def _hidden(x: Any) -> torch.Tensor | None:
+    t = x[0] if isinstance(x, (tuple, list)) and x else x
+    return t if isinstance(t, torch.Tensor) and t.requires_grad else None
+
+
+class _Run:
+    """One measured forward + backward with per-block marks."""
+
+    def __init__(self, base: nn.Module, batch: dict[str, Any], amp: Any, backward: bool) -> None:
+        self.tracker = AllocationTracker(next(base.parameters()).device)
+        self.order: list[str] = []  # blocks in backward order (their start marks)
+        self.outputs: dict[str, int] = {}
+        tracker = self.tracker
+
+        def hooks(path: str, block: nn.Module):
+            def pre(mod, args, kwargs):
+                tracker.mark(f"fpre:{path}")
+                x = _hidden(args[0] if args else kwargs.get("hidden_states"))
+                if x is not None and backward:
+                    x.register_hook(lambda g: tracker.mark(f"end:{path}"))
+
+            def post(mod, args, kwargs, out):
+                tracker.mark(f"fpost:{path}")
+                y = _hidden(out)
+                if y is not None:
+                    self.outputs[path] = y.numel() * y.element_size()
+                    if backward:
+
+                        def start(g):
+                            self.order.append(path)
+                            tracker.mark(f"start:{path}")
+
+                        y.register_hook(start)
+
+            return [
+                block.register_forward_pre_hook(pre, with_kwargs=True),
+                block.register_forward_hook(post, with_kwargs=True),
+            ]
+
+        params = [p for p in base.parameters() if p.requires_grad]
+        with tracker, recorded_forward(base, batch, hooks, amp) as (report, loss):
+            tracker.mark("forward_end")
+            self.report = report()
+            if backward:
+                tracker.mark("backward_start")
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                tracker.mark("backward_end")
+                del grads
+            del loss
+
+    def forward_transient(self, path: str) -> int:
+        """Peak of block `path`'s forward above the level when it starts."""
+        t = self.tracker
+        if not (t.has(f"fpre:{path}") and t.has(f"fpost:{path}")):
+            return 0
+        return max(0, t.peak(f"fpre:{path}", f"fpost:{path}") - t.level(f"fpre:{path}"))
+
+    def timeline(self, paths: list[str]) -> Timeline:
+        """The run's levels at its marks, blocks in forward order (`paths`); ``grads`` is left for
+        the caller (the parameters' gradient sizes are known exactly)."""
+        t = self.tracker
+
+        def level(name: str, default: int = 0) -> int:
+            return t.level(name) if t.has(name) else default
+
+        def peak(a: str, b: str, default: int = 0) -> int:
+            return t.peak(a, b) if t.has(a) and t.has(b) else default
+
+        last_fwd = f"fpost:{paths[-1]}"
+        first_bwd = f"start:{self.order[0]}" if self.order else "backward_end"
+        end_first = f"end:{paths[0]}" if t.has(f"end:{paths[0]}") else "backward_end"
+        return Timeline(
+            held=[self.report.blocks[p] for p in paths],
+            forward_start=[level(f"fpre:{p}") for p in paths],
+            forward_peak=[peak(f"fpre:{p}", f"fpost:{p}") for p in paths],
+            backward_start=[level(f"start:{p}") for p in paths],
+            backward_peak=[
+                peak(f"start:{p}", f"end:{p}" if t.has(f"end:{p}") else "backward_end")
+                for p in paths
+            ],
+            loss_peak=t.peak(last_fwd if t.has(last_fwd) else None, "forward_end"),
+            head_peak=t.peak("backward_start", first_bwd),
+            tail_peak=t.peak(end_first, "backward_end"),
+        )
+
+    def transient(self, path: str) -> int:
+        """Peak of block `path`'s backward above the level when it starts."""
+        t = self.tracker
+        if not t.has(f"start:{path}"):
+            return 0
+        end = f"end:{path}" if t.has(f"end:{path}") else "backward_end"
+        return max(0, t.peak(f"start:{path}", end) - t.level(f"start:{path}"))
+
+
+def measure(
+    base: nn.Module,
+    batch: dict[str, Any],
+    groups: list[BlockGroup],
+    specs: dict[str, list[OpSpec]],
+    autocast: torch.dtype | None = None,
+) -> StepMemory:
+    """Run the measurements of the module docstring (every group's ops in `specs`), forwards
+    under `autocast` (a dtype, or None)."""
+    backward = not _sharded(base)
+    kwargs = model_kwargs(base, batch)
+    device = next(base.parameters()).device
+
+    def amp():
+        return autocast_context(device, autocast)
+
+    with train_mode(base), torch.random.fork_rng(devices=devices_of(base)):
+        with apply_adacc(base, _policy(base, groups, specs, None)):
+            run = _Run(base, kwargs, amp(), backward)
+        plain_runs, pair_runs = {}, {}
+        for g in groups:
+            with apply_adacc(base, _policy(base, groups, specs, g.name)):
+                plain_runs[g.name] = _Run(base, kwargs, amp(), backward)
+            if len(g.modules) > 1:
+                with apply_adacc(base, _policy(base, groups, specs, g.name, "pair")):
+                    pair_runs[g.name] = _Run(base, kwargs, amp(), False)
+    rep = run.report
+    held = {g.name: round(sum(rep.blocks[p] for p in g.paths) / len(g.paths)) for g in groups}
+    mem = StepMemory(
+        held=held,
+        full={g.name: plain_runs[g.name].report.blocks[g.paths[0]] for g in groups},
+        before=rep.before,
+        after=rep.after,
+        largest_other=rep.largest_other,
+        output_nbytes={g.name: max(run.outputs.get(p, 0) for p in g.paths) for g in groups},
+        measured_backward=backward,
+    )
+    t = run.tracker
+    order = [p for p, _ in get_adapter(base).find_blocks(base)]  # forward order
+    last = f"fpost:{order[-1]}"
+    start = last if t.has(last) else None
+    mem.forward_transient = max(0, t.peak(start, "forward_end") - t.level("forward_end"))
+    for g in groups:
+        mem.block_fwd_transient[g.name] = max(run.forward_transient(p) for p in g.paths)
+        mem.plain_fwd_transient[g.name] = plain_runs[g.name].forward_transient(g.paths[0])
+        if g.name in pair_runs:  # a plain block next to a plain one: its output may not be held
+            mem.full_interior[g.name] = pair_runs[g.name].report.blocks[g.paths[0]]
+    if not backward:
+        return estimate(mem, specs)
+    first = run.order[0] if run.order else None
+    mem.head_transient = max(
+        0,
+        t.peak("backward_start", f"start:{first}" if first else "backward_end")
+        - t.level("backward_start"),
+    )
+    if run.order:
+        last = f"end:{run.order[-1]}"
+        if t.has(last):
+            mem.tail_transient = max(0, t.peak(last, "backward_end") - t.level(last))
+    for g in groups:
+        mem.block_transient[g.name] = max(run.transient(p) for p in g.paths)
+        mem.plain_transient[g.name] = plain_runs[g.name].transient(g.paths[0])
+    mem.timeline = run.timeline(order)
+    return mem
+
+
+def estimate(mem: StepMemory, specs: dict[str, list[OpSpec]]) -> StepMemory:
+    """Transients where the backward could not run (sharded models): a block's backward
+    materialises what it holds without checkpointing plus a temporary as large as its largest
+    activation and its output's gradient; outside the blocks, the largest storage (the logits)
+    twice (it and its gradient)."""
+    for name, ops in specs.items():
+        largest = max((o.nbytes for o in ops), default=0)
+        out = mem.output_nbytes.get(name, 0)
+        mem.block_transient[name] = max(0, mem.full[name] - mem.held[name]) + largest + out
+        mem.plain_transient[name] = largest + out
+    mem.head_transient = 2 * mem.largest_other
+    mem.tail_transient = mem.largest_other
+    return mem

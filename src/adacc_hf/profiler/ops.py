@@ -1,0 +1,191 @@
+"""Per op of one block of each group: forward time, output bytes, and each candidate codec's
+encoded bytes, encode + decode time and error, measured on the real activation."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..codecs import Codec, get_codec, payload_finite, relative_error
+from ..runtime.ops import storage_id, tensor_outputs
+from ..runtime.peak import AllocationTracker
+from ..runtime.timing import elapsed_ms, sync, time_call, timer_for
+from ..runtime.trace import record_block
+from ..schema import CodecProfile, GroupProfile, OpProfile, OpSpec, codec_candidates
+
+
+def candidate_codecs(
+    op: OpSpec,
+    allowed: Iterable[str] | None = None,
+    params: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[Codec]:
+    """The codecs to profile on an op (`schema.codec_candidates`), built with their `params`."""
+    params = params or {}
+    return [get_codec(n, **dict(params.get(n, {}))) for n in codec_candidates(op, allowed)]
+
+
+def profile_codec(
+    codec: Codec, x: torch.Tensor, device: torch.device, repeats: int = 3
+) -> CodecProfile | None:
+    """Encode/decode time, exact encoded size and error of `codec` on the real tensor `x`.
+
+    None when the codec cannot encode `x` (non-finite values, e.g. -inf masked scores).
+    """
+    if not codec.applicable(x):
+        return None
+    x = x.detach()
+    tracker = AllocationTracker(device)
+    with tracker:
+        enc = codec.encode(x)
+        tracker.mark("encoded")
+        dec = codec.decode(enc)
+        tracker.mark("decoded")
+    encode_ws = tracker.peak(None, "encoded") - enc.nbytes()
+    out_nbytes = dec.numel() * dec.element_size()
+    decode_ws = tracker.peak("encoded", "decoded") - tracker.level("encoded") - out_nbytes
+    if not payload_finite(enc):
+        return None
+    err = float(relative_error(x, dec))
+    del dec
+    if err == float("inf"):
+        return None
+    return CodecProfile(
+        codec=codec.name,
+        params=codec.params(),
+        nbytes=enc.nbytes(),
+        encode_ms=time_call(lambda: codec.encode(x), device, repeats),
+        decode_ms=time_call(lambda: codec.decode(enc), device, repeats),
+        rel_error=err,
+        n_outliers=int(enc.meta.get("n_outliers", 0)),
+        encode_workspace_nbytes=max(0, encode_ws),
+        decode_workspace_nbytes=max(0, decode_ws),
+    )
+
+
+def _storages(out: Any) -> set[int]:
+    return {storage_id(t) for t in tensor_outputs(out) if t.numel()}
+
+
+@dataclass
+class GroupOps:
+    """What the op-level pass measured on one block of a group."""
+
+    ops: list[OpProfile]
+    fixed_ms: float  # ops that always rerun (views, in-place, random): their recompute time
+    block_fwd_ms: float
+
+
+def _untimed(func, args, kwargs):
+    return func(*args, **kwargs), 0.0
+
+
+def scaled(ops: list[OpSpec], outputs: list, outs: set[int], ref: GroupProfile) -> GroupOps | None:
+    """The ops of a block at another shape, costed from `ref` (the same ops measured at another
+    shape): times and codec workspaces scale with the output's elements, codec sizes are exact
+    (``predict_nbytes``, with `ref`'s outlier counts), errors carry over. None if an op has no
+    counterpart with the same signature in `ref`."""
+    by_key = {o.key: o for o in ref.ops}
+    if len(ops) != len(ref.ops):
+        return None
+    out, ratios = [], []
+    for op, raw in zip(ops, outputs, strict=True):
+        r = by_key.get(op.key)
+        if r is None or r.signature != op.signature or len(r.shape) != len(op.shape):
+            return None
+        ratio = op.numel / max(1, r.numel)
+        ratios.append(ratio)
+        tensors = tensor_outputs(raw)
+        prof = OpProfile.from_spec(
+            op,
+            fwd_ms=r.fwd_ms * ratio,
+            block_output=bool(_storages(raw) & outs),
+            shared_nbytes=sum(
+                t.numel() * t.element_size() for t in tensors if t.numel() and storage_id(t) in outs
+            ),
+        )
+        dtype = getattr(torch, op.dtype.removeprefix("torch."), None)
+        for name, cp in r.codecs.items():
+            codec = get_codec(name, **cp.params)
+            prof.codecs[name] = CodecProfile(
+                codec=name,
+                params=dict(cp.params),
+                nbytes=codec.predict_nbytes(op.shape, dtype, cp.n_outliers),
+                encode_ms=cp.encode_ms * ratio,
+                decode_ms=cp.decode_ms * ratio,
+                rel_error=cp.rel_error,
+                n_outliers=cp.n_outliers,
+                encode_workspace_nbytes=round(cp.encode_workspace_nbytes * ratio),
+                decode_workspace_nbytes=round(cp.decode_workspace_nbytes * ratio),
+            )
+        out.append(prof)
+    mean = sum(ratios) / max(1, len(ratios))
+    return GroupOps(out, ref.fixed_ms * mean, ref.block_fwd_ms * mean)
+
+
+def op_visitor(
+    device: torch.device,
+    measured: dict[str, GroupOps],
+    *,
+    codecs: Iterable[str] | None,
+    codec_params: Mapping[str, Mapping[str, Any]] | None,
+    repeats: int,
+    warmup: int,
+    reference: Mapping[str, GroupProfile] | None = None,
+):
+    """A `run_representatives` visitor that times every op of the block `repeats` times (after
+    `warmup` runs) and profiles each candidate codec on the op's real output; with a `reference`
+    profile of the same model at another shape, it only traces the block and scales the
+    reference's costs (`scaled`), measuring the group anew where the ops differ."""
+    allowed = list(codecs) if codecs is not None else None
+    timer = timer_for(device)
+
+    def visit(adapter, group, block, fn, args):
+        ref = reference.get(group.name) if reference else None
+        if ref is not None:
+            out, rec, ops = record_block(adapter, group, block, fn, args, timer=_untimed)
+            got = scaled(ops, rec.outputs, _storages(out), ref)
+            if got is not None:
+                measured[group.name] = got
+                return out
+        for _ in range(warmup):
+            fn(*args)
+        runs = []
+        for _ in range(repeats):
+            out, rec, ops = record_block(adapter, group, block, fn, args, timer=timer)
+            runs.append(rec)
+        sync(device)
+        fwd = [
+            statistics.median(elapsed_ms(r.recs[i].elapsed) for r in runs) for i in range(len(ops))
+        ]
+        other = statistics.median(sum(elapsed_ms(e) for e in r.other_ms) for r in runs)
+        block_ms = time_call(lambda: fn(*args), device, max(1, repeats // 2))
+        outs = _storages(out)
+        op_profiles = []
+        for op, ms, raw in zip(ops, fwd, runs[-1].outputs, strict=True):
+            tensors = tensor_outputs(raw)
+            prof = OpProfile.from_spec(
+                op,
+                fwd_ms=ms,
+                block_output=bool(_storages(raw) & outs),
+                shared_nbytes=sum(
+                    t.numel() * t.element_size()
+                    for t in tensors
+                    if t.numel() and storage_id(t) in outs
+                ),
+            )
+            if op.cacheable and tensors:
+                for codec in candidate_codecs(op, allowed, codec_params):
+                    cp = profile_codec(codec, tensors[0], device)
+                    if cp is not None:
+                        prof.codecs[codec.name] = cp
+            op_profiles.append(prof)
+        fixed = other + sum(p.fwd_ms for p in op_profiles if not p.cacheable)
+        measured[group.name] = GroupOps(op_profiles, fixed, block_ms)
+        del runs
+        return out
+
+    return visit

@@ -1,0 +1,254 @@
+"""The true peak memory of a training step, measured: the ground truth for the step-peak model.
+
+`measure_step_peak(model, batch, optimizer)` runs forward, backward and the optimizer step (one
+micro-batch, or several with gradient accumulation) and returns the highest number of bytes alive
+on the device at any moment, and per phase:
+
+* CUDA: the caching allocator's statistics (``max_memory_allocated`` above the bytes allocated
+  when the step starts, plus those bytes).
+* CPU: every allocation and free the CPU allocator reports to ``torch.profiler`` (exact, in
+  time order, including temporaries inside an op), added to the bytes alive when the step starts:
+  parameters, buffers, gradients, optimizer state and the batch, each storage once.
+
+`AllocationTracker` is the measuring tool on its own: bytes allocated above the level at entry,
+at named marks, and the peak between any two marks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+_MARK = "adacc_mark::"
+
+
+@dataclass
+class StepPeak:
+    """Measured bytes of one training step on its device."""
+
+    peak_nbytes: int  # the highest bytes alive at any moment of the step
+    baseline_nbytes: int  # alive when the step started (parameters, buffers, grads, states, batch)
+    phases: dict[str, int] = field(default_factory=dict)  # highest bytes alive within each phase
+    device: str = "cpu"
+    how: str = ""
+
+
+class AllocationTracker:
+    """Bytes allocated above the level at ``__enter__``: at named marks and between them.
+
+    ``mark(name)`` records a moment (also from inside autograd hooks); after ``__exit__``,
+    ``level(name)`` is the level at that mark and ``peak(a, b)`` the highest level between marks
+    `a` and `b` (``None``: the start / the end). CUDA: the allocator's statistics (read at each
+    mark, no device sync). CPU: the allocation events of ``torch.profiler`` replayed in time order
+    (one tracker at a time: torch.profiler does not nest).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.peak_nbytes = 0
+        self._marks: dict[str, int] = {}  # name -> index into _levels (first occurrence)
+        self._order: list[str] = []
+        self._cuda_points: list[tuple[int, int]] = []  # (level at mark, peak since last mark)
+        self._times: list[int] = []  # CPU: event times
+        self._levels: list[int] = []  # CPU: level after each event
+        self._mark_times: dict[str, int] = {}
+        self._prof: Any = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def __enter__(self) -> AllocationTracker:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def mark(self, name: str) -> None:
+        """Record this moment as `name` (the first mark of a name counts)."""
+        if name in self._marks or name in self._mark_times:
+            return
+        self._order.append(name)
+        if self.cuda:
+            now = torch.cuda.memory_allocated(self.device) - self._start
+            peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._marks[name] = len(self._cuda_points)
+            self._cuda_points.append((now, peak))
+            return
+        with torch.profiler.record_function(_MARK + name):
+            pass
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Marks ``name`` and ``name:end`` around the block (a phase recurring keeps its max)."""
+        self.mark(name)
+        try:
+            yield
+        finally:
+            self.mark(name + ":end")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            end_peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            self._cuda_points.append(
+                (torch.cuda.memory_allocated(self.device) - self._start, end_peak)
+            )
+            self.peak_nbytes = max([0, *(p for _, p in self._cuda_points)])
+            return
+        self._prof.__exit__(*exc)
+        if exc[0] is None:
+            self._replay(self._prof.profiler.kineto_results)
+
+    def _replay(self, results: Any) -> None:
+        from torch._C._profiler import _EventType
+
+        allocs: list[tuple[int, int]] = []
+        stack = list(results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.tag == _EventType.Allocation:
+                if node.extra_fields.device.type == "cpu":
+                    allocs.append((node.start_time_ns, int(node.extra_fields.alloc_size)))
+            elif node.name.startswith(_MARK):
+                self._mark_times.setdefault(node.name[len(_MARK) :], node.start_time_ns)
+        allocs.sort()
+        level = 0
+        for t, n in allocs:
+            level += n
+            self._times.append(t)
+            self._levels.append(level)
+        self.peak_nbytes = max([0, *self._levels])
+
+    # ------------------------------------------------------------------ reading
+    def level(self, name: str) -> int:
+        """Bytes above the start at mark `name`."""
+        if self.cuda:
+            return self._cuda_points[self._marks[name]][0]
+        i = bisect.bisect_left(self._times, self._mark_times[name])
+        return self._levels[i - 1] if i else 0
+
+    def peak(self, start: str | None = None, end: str | None = None) -> int:
+        """The highest level between marks `start` and `end` (None: the very start / end)."""
+        if self.cuda:
+            lo = self._marks[start] + 1 if start is not None else 0
+            hi = self._marks[end] if end is not None else len(self._cuda_points) - 1
+            first = self._cuda_points[lo - 1][0] if lo else 0
+            return max([first, *(p for _, p in self._cuda_points[lo : hi + 1])])
+        lo = bisect.bisect_left(self._times, self._mark_times[start]) if start else 0
+        hi = bisect.bisect_left(self._times, self._mark_times[end]) if end else len(self._times)
+        first = self._levels[lo - 1] if lo else 0
+        return max([first, *self._levels[lo:hi]])
+
+    def has(self, name: str) -> bool:
+        return name in self._marks or name in self._mark_times
+
+
+def live_state_nbytes(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    tensors: Sequence[Any] = (),
+) -> int:
+    """Bytes of the storages a training step starts with: parameters, buffers, gradients,
+    optimizer state and `tensors` (the batch), each storage once."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor):
+            return
+        s = t.untyped_storage()
+        key = (str(t.device), s.data_ptr())
+        if s.nbytes() and key not in seen:
+            seen.add(key)
+            total += s.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for b in model.buffers():
+        add(b)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values() if isinstance(state, dict) else [state]:
+                add(v)
+    for t in tensors:
+        add(t)
+    return total
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The loss of a model output (``out.loss`` / ``out[0]``)."""
+    return out["loss"] if isinstance(out, Mapping) else out[0]
+
+
+def measure_step_peak(
+    model: nn.Module,
+    batch: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    autocast: torch.dtype | None = None,
+) -> StepPeak:
+    """Run one training step and measure its peak device memory (see the module docstring).
+
+    `batch` is one micro-batch, or the micro-batches of one optimizer step (gradient accumulation:
+    each loss is divided by their number, as the Trainer does). Forward runs under
+    ``torch.autocast(dtype=autocast)`` when given. The outputs are dropped before backward except
+    the loss (as ``Trainer.training_step`` does). With `optimizer`, its ``step()`` and
+    ``zero_grad(set_to_none=True)`` run last. Phases: ``forward``, ``backward``, ``optimizer``
+    (with several micro-batches: the highest of them).
+    """
+    batches = [batch] if isinstance(batch, Mapping) else list(batch)
+    if not batches:
+        raise ValueError("measure_step_peak needs at least one batch")
+    device = next(model.parameters()).device
+    tensors = [v for b in batches for v in b.values() if isinstance(v, torch.Tensor)]
+    baseline = live_state_nbytes(model, optimizer, tensors)
+    tracker = AllocationTracker(device)
+    names: list[tuple[str, str]] = []
+    with tracker:
+        for i, b in enumerate(batches):
+            amp = (
+                torch.autocast(device.type, dtype=autocast)
+                if autocast is not None
+                else contextlib.nullcontext()
+            )
+            with tracker.phase(f"forward{i}"), amp:
+                loss = loss_of(model(**b))
+                if len(batches) > 1:
+                    loss = loss / len(batches)
+            with tracker.phase(f"backward{i}"):
+                loss.backward()
+                del loss
+            names += [("forward", f"forward{i}"), ("backward", f"backward{i}")]
+        if optimizer is not None:
+            with tracker.phase("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            names.append(("optimizer", "optimizer"))
+    phases: dict[str, int] = {}
+    for phase, mark in names:
+        phases[phase] = max(phases.get(phase, 0), baseline + tracker.peak(mark, mark + ":end"))
+    how = "CUDA caching allocator statistics" if tracker.cuda else "CPU allocator events"
+    return StepPeak(
+        peak_nbytes=baseline + tracker.peak_nbytes,
+        baseline_nbytes=baseline,
+        phases=phases,
+        device=str(device),
+        how=how,
+    )

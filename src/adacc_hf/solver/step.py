@@ -1,0 +1,247 @@
+"""The peak of a training step: the highest of the moments where memory can peak.
+
+A step's memory rises through forward (activations held for backward), peaks somewhere in
+backward (activations freed block by block while gradients appear block by block), and again in
+the optimizer step (no activations, but the optimizer's temporaries). The profiler measures one
+step under full recomputation at the planned shape (a `Timeline`: the bytes alive when each block's
+forward and backward starts, the highest during each, and around the loss, the head and the
+embeddings); every term that is hard to model (gradients in flight, tied weights, masks made
+between blocks, T5's cross-attention) is in those measurements. For any policy the model adds only
+what the policy changes, block by block:
+
+    forward:j   resident + timeline.forward_start[j] + sum_{i<j} d_i + forward transient_j
+    forward     resident + timeline.loss_peak + sum_i d_i              (final norm, head, loss)
+    head        resident + timeline.head_peak + sum_i d_i              (loss and head backward)
+    backward:j  resident + timeline.backward_start[j] + sum_{i<=j} d_i + backward transient_j
+    tail        resident + timeline.tail_peak                          (embeddings, tied weights)
+    optimizer   resident + gradients + the optimizer step's temporaries
+
+``resident`` = parameters, buffers, optimizer states, master weights and the batch; ``d_i`` = what
+block i holds under the policy minus what it holds under full recomputation. A checkpointed
+block's transients are the measured ones, plus in forward what it keeps (minus in backward: its
+recompute hands kept outputs back instead of rerunning them, though one unsaved output at a time
+may still be rerun), plus its codecs' encode / decode workspace; a plain block's are the measured
+plain ones. With gradient accumulation every gradient is alive from the second micro-batch on.
+A profile without a measured timeline (synthetic ones) gets one synthesised from its fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..schema import GroupProfile, Profile, Timeline
+from .static import StaticMemory
+
+
+@dataclass(frozen=True)
+class BlockLoad:
+    """One block as the step sees it: what it holds, whether it is checkpointed, what it keeps of
+    its op outputs, and its codecs' largest encode / decode workspace."""
+
+    group: str
+    held: int
+    checkpoint: bool
+    kept: int = 0  # outputs kept (retained) beyond what full recomputation holds
+    kept_saved: int = 0  # of them, outputs autograd saves (not rematerialised by the recompute)
+    kept_shared: int = 0  # kept outputs that are the block's output (held anyway in forward)
+    encode_workspace: int = 0
+    decode_workspace: int = 0
+
+
+@dataclass
+class StepEstimate:
+    """The predicted peak of a step, the moment that sets it, and every moment."""
+
+    peak_nbytes: int
+    moment: str
+    moments: dict[str, int] = field(default_factory=dict)
+
+
+def split_static(static: int | StaticMemory) -> tuple[int, int, int]:
+    """(resident, gradients, optimizer-step temporaries). A plain number is all resident."""
+    if isinstance(static, StaticMemory):
+        return static.resident, static.grads, static.optimizer_step
+    return int(static), 0, 0
+
+
+def in_forward_order(profile: Profile, per_group: dict[str, list[BlockLoad]]) -> list[BlockLoad]:
+    """The blocks of every group, interleaved as they run."""
+    return [per_group[name][i] for name, i in profile.block_order()]
+
+
+def _groups_in_order(profile: Profile) -> list[GroupProfile]:
+    return [profile.groups[name] for name, _ in profile.block_order()]
+
+
+def synthesised_timeline(profile: Profile) -> Timeline:
+    """A timeline from the profile's per-group fields, for profiles that carry none."""
+    groups = _groups_in_order(profile)
+    held = [g.input_nbytes for g in groups]
+    before = profile.nonblock_before_nbytes
+    fwd_start, level = [], before
+    for h in held:
+        fwd_start.append(level)
+        level += h
+    forward_end = profile.nonblock_nbytes + sum(held)
+    grad_after = [0] * len(groups)  # gradients of the blocks after j
+    for j in range(len(groups) - 2, -1, -1):
+        grad_after[j] = grad_after[j + 1] + groups[j + 1].grad_nbytes
+    grads = [profile.nonblock_grad_nbytes + a for a in grad_after]
+    bwd_start = [
+        grads[j] + before + sum(held[: j + 1]) + g.output_nbytes for j, g in enumerate(groups)
+    ]
+    all_grads = profile.nonblock_grad_nbytes + sum(g.grad_nbytes for g in groups)
+    return Timeline(
+        held=held,
+        forward_start=fwd_start,
+        forward_peak=[
+            s + g.forward_transient_nbytes for s, g in zip(fwd_start, groups, strict=True)
+        ],
+        backward_start=bwd_start,
+        backward_peak=[s + g.transient_nbytes for s, g in zip(bwd_start, groups, strict=True)],
+        loss_peak=forward_end + profile.forward_transient_nbytes,
+        head_peak=forward_end + profile.head_transient_nbytes,
+        tail_peak=all_grads + before + profile.tail_transient_nbytes,
+        grads=grads,
+    )
+
+
+def _forward_transient(b: BlockLoad, g: GroupProfile, measured: int) -> int:
+    """Measured under full recomputation, plus everything the block keeps (it accumulates while
+    the block runs) and its codecs' encode workspace."""
+    if not b.checkpoint:
+        return g.plain_forward_transient_nbytes
+    return measured + b.kept + b.encode_workspace
+
+
+def _backward_transient(b: BlockLoad, g: GroupProfile, measured: int) -> int:
+    """Measured under full recomputation (kept outputs are handed back instead of rerun, which
+    can only lower it: not counted), plus its codecs' decode workspace."""
+    if not b.checkpoint:
+        return g.plain_transient_nbytes
+    return measured + b.decode_workspace
+
+
+def _plain_held(blocks: list[BlockLoad], groups: list[GroupProfile], j: int) -> int:
+    """What plain block `j` holds: measured next to a checkpointed block (which holds its output as
+    its input), or next to a plain one / the head (which may hold only a cast of it)."""
+    g = groups[j]
+    followed_by_plain = j + 1 == len(blocks) or not blocks[j + 1].checkpoint
+    if followed_by_plain and g.full_interior_nbytes:
+        return g.full_interior_nbytes
+    return blocks[j].held
+
+
+def step_peak(
+    profile: Profile,
+    blocks: list[BlockLoad],
+    static: int | StaticMemory = 0,
+    accumulation: int = 1,
+) -> StepEstimate:
+    """The moments of the module docstring for `blocks` (in forward order)."""
+    resident, grads, opt_step = split_static(static)
+    resident += profile.batch_nbytes
+    tl = profile.timeline or synthesised_timeline(profile)
+    groups = _groups_in_order(profile)
+    if len(blocks) != len(tl.held):
+        raise ValueError(f"{len(blocks)} blocks for a profile of {len(tl.held)}")
+    # The timeline was measured without gradients at the step's start (the first micro-batch);
+    # later micro-batches of gradient accumulation start with all of them.
+    unsharded = profile.nonblock_grad_nbytes + sum(g.grad_nbytes for g in groups)
+    acc = max(grads, unsharded) if accumulation > 1 else 0
+    # What each block holds beyond full recomputation. A checkpointed block's held counts its
+    # group's mean input; a kept output of its own counts only where full recomputation would not
+    # hold it anyway (the last block's output, read by the head, is often not held).
+    shared_extra = [
+        max(0, b.kept_shared - h) if b.checkpoint else 0
+        for b, h in zip(blocks, tl.held, strict=True)
+    ]
+    delta = [
+        (b.held - g.input_nbytes + extra) if b.checkpoint else _plain_held(blocks, groups, j) - h
+        for j, (b, g, h, extra) in enumerate(
+            zip(blocks, groups, tl.held, shared_extra, strict=True)
+        )
+    ]
+    moments: dict[str, int] = {}
+    before = 0
+    for j, (b, g) in enumerate(zip(blocks, groups, strict=True)):
+        measured = tl.forward_peak[j] - tl.forward_start[j]
+        moments[f"forward:{j}"] = (
+            resident + acc + tl.forward_start[j] + before + _forward_transient(b, g, measured)
+        )
+        before += delta[j]
+    total = before
+    moments["forward"] = resident + acc + tl.loss_peak + total
+    moments["head"] = resident + max(0, acc - profile.nonblock_grad_nbytes) + tl.head_peak + total
+    for j in range(len(blocks) - 1, -1, -1):
+        b, g = blocks[j], groups[j]
+        measured = tl.backward_peak[j] - tl.backward_start[j]
+        in_flight = max(0, acc - (tl.grads[j] if tl.grads else 0))
+        # A kept output of the block's own is alive until its recompute takes it back.
+        cached_output = b.kept_shared - shared_extra[j] if b.checkpoint else 0
+        moments[f"backward:{j}"] = (
+            resident
+            + in_flight
+            + tl.backward_start[j]
+            + sum(delta[: j + 1])
+            + cached_output
+            + _backward_transient(b, g, measured)
+        )
+    moments["tail"] = resident + max(tl.tail_peak, acc)
+    moments["optimizer"] = resident + grads + opt_step
+    moment = max(moments, key=moments.__getitem__)
+    return StepEstimate(moments[moment], moment, moments)
+
+
+def lp_caps(
+    profile: Profile, budget: int, static: int | StaticMemory = 0, accumulation: int = 1
+) -> tuple[int, int]:
+    """The MILP's caps (see `milp.Caps`) for `budget`: what it leaves for the blocks' held bytes at
+    the end of forward / the head's backward (everything held), and for them plus one block's
+    backward transient at the last block's backward."""
+    resident, grads, _ = split_static(static)
+    resident += profile.batch_nbytes
+    tl = profile.timeline or synthesised_timeline(profile)
+    groups = _groups_in_order(profile)
+    unsharded = profile.nonblock_grad_nbytes + sum(g.grad_nbytes for g in groups)
+    acc = max(grads, unsharded) if accumulation > 1 else 0
+    held = sum(tl.held)
+    at_end = max(tl.loss_peak, tl.head_peak) - held
+    last = len(tl.held) - 1
+    in_flight = max(0, acc - (tl.grads[last] if tl.grads else 0))
+    at_last = tl.backward_start[last] - held
+    return budget - resident - acc - at_end, budget - resident - in_flight - at_last
+
+
+def uniform_loads(profile: Profile, checkpoint: dict[str, bool]) -> list[BlockLoad]:
+    """Every block of each group checkpointed with everything recomputed (holding what full
+    recomputation holds), or not checkpointed at all (holding ``full_nbytes``), per group."""
+    out = []
+    for name, _ in profile.block_order():
+        g = profile.groups[name]
+        held = g.input_nbytes if checkpoint[name] else g.full_nbytes
+        out.append(BlockLoad(name, held, checkpoint[name]))
+    return out
+
+
+def extreme_peaks(
+    profile: Profile, static: int | StaticMemory = 0, accumulation: int = 1
+) -> tuple[StepEstimate, StepEstimate]:
+    """(the least peak any policy reaches, the peak with no checkpointing anywhere).
+
+    The least: per group, every block checkpointed and recomputed, or none checkpointed (a group of
+    tiny blocks can hold less without checkpointing than its recompute transient costs); all
+    combinations of the groups are tried.
+    """
+    names = sorted(profile.groups)
+    best: StepEstimate | None = None
+    for mask in range(2 ** len(names)):
+        choice = {n: not (mask >> i) & 1 for i, n in enumerate(names)}
+        est = step_peak(profile, uniform_loads(profile, choice), static, accumulation)
+        if best is None or est.peak_nbytes < best.peak_nbytes:
+            best = est
+    plain = step_peak(
+        profile, uniform_loads(profile, dict.fromkeys(names, False)), static, accumulation
+    )
+    assert best is not None
+    return best, plain
