@@ -1,7 +1,8 @@
-"""Budget sweeps (benchmarks and tests): solve a model's policy over a range of budgets and measure each one.
+"""Budget sweeps (``plan_sweep.py`` and tests): solve a model's policy over a range of budgets
+and measure each one.
 
-The measured activation memory (`activation_memory_report`) is independent of the solver's
-prediction, so a sweep checks the memory model end to end.
+The measured activation memory (`adacc_hf.measure_activation_memory`) is independent of the
+solver's prediction, so a sweep checks the memory model end to end.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from typing import Any
 
 from torch import nn
 
+from adacc_hf import apply_adacc, measure_activation_memory
 from adacc_hf.profiler import profile_model
-from adacc_hf.runtime import apply_adacc
-from adacc_hf.runtime.memory import activation_memory_report
-from adacc_hf.solver import HEADROOM, estimate_static_memory, min_budget, planned_budget, solve
+from adacc_hf.solver import HEADROOM, estimate_static_memory, planned_budget, solve
+
+from .adacc import budget_range
 
 
 @dataclass
@@ -47,8 +49,7 @@ def budget_sweep(
     solved with the same `headroom` the Trainer integration keeps."""
     static = estimate_static_memory(model, optimizer=optimizer).total
     profile = profile_model(model, batch, repeats=repeats)
-    low = min_budget(profile, static)
-    high = static + profile.no_checkpoint_nbytes() + profile.nonblock_transient_nbytes
+    low, high = budget_range(profile, static)
     rows = []
     for i in range(points + 1):
         budget = int(low + (high - low) * i / points)
@@ -56,7 +57,7 @@ def budget_sweep(
             profile, planned_budget(budget, static, profile, headroom), static_nbytes=static
         )
         with apply_adacc(model, sol.policy):
-            measured = activation_memory_report(model, batch).total
+            measured = measure_activation_memory(model, batch)
         kinds: dict[str, int] = {}
         for g in sol.policy.summary().values():
             for k, v in g.items():
