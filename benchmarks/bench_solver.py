@@ -15,243 +15,26 @@ median <= 50 ms per family on a 2-core CPU (printed, not asserted).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import random
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
-from adacc_hf.schema import CodecProfile, GroupProfile, OpProfile, Profile
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from adacc_hf.runtime.timing import cpu_timer
+from adacc_hf.schema import Profile
 from adacc_hf.solver import solve
+from benchmarks.harness.adacc import budget_range
+from benchmarks.harness.env import command_line
+from benchmarks.harness.report import write_json
+from benchmarks.harness.synthetic import FAMILIES, synthetic_profile
 
 TARGET_MS = 50.0
 FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
-FLOPS, BW, CODEC_BW = 200e12, 2e12, 1e12  # matmul FLOP/s, elementwise and codec bytes/s
-RATIO = {"int4_outlier": 3.6, "int4_channel": 3.9, "int4_asym": 3.9, "int4_naive": 4.0}
-ERROR = {"int4_outlier": 0.06, "int4_channel": 0.09, "int4_asym": 0.08, "int4_naive": 0.2}
-CODEC = {  # layer type -> profiled codecs (its own + naive INT4)
-    "norm": ("int4_outlier", "int4_naive"),
-    "qkv": ("int4_channel", "int4_naive"),
-    "attn_scores": ("int4_asym", "int4_naive"),
-    "attn_probs": ("int4_asym", "int4_naive"),
-    "attn_context": ("int4_channel", "int4_naive"),
-    "attn_out": ("int4_outlier", "int4_naive"),
-    "mlp_up": ("int4_outlier", "int4_naive"),
-    "act": ("int4_outlier", "int4_naive"),
-    "mlp_down": ("int4_outlier", "int4_naive"),
-    "elementwise": ("int4_outlier", "int4_naive"),
-}
-
-# (key, layer type, output size in units of the hidden state ("h"), "4h", "s" = scores, "r" =
-#  one value per row), matmul FLOPs per output element (0: elementwise), cacheable)
-_NORM = [("pow#0", "h", 0), ("mean#0", "r", 0), ("add#0", "r", 0), ("rsqrt#0", "r", 0)]
-_NORM += [("mul#0", "h", 0), ("mul#1", "h", 0)]
-_ROPE = [("mul#0", "h", 0), ("neg#0", "h", 0), ("cat#0", "h", 0), ("mul#1", "h", 0)]
-_ROPE += [("add#0", "h", 0), ("mul#2", "h", 0), ("neg#1", "h", 0), ("cat#1", "h", 0)]
-_ROPE += [("mul#3", "h", 0), ("add#1", "h", 0)]
-
-
-def _llama() -> list[tuple]:
-    ops = [(f"input_layernorm/{k}", "norm", s, f, True) for k, s, f in _NORM]
-    ops += [(f"self_attn.{p}_proj/mm#0", "qkv", "h", 2, True) for p in "qkv"]
-    ops += [(f"self_attn/rope/{k}", "qkv", s, f, True) for k, s, f in _ROPE]
-    ops += [
-        ("self_attn/bmm#0", "attn_scores", "s", 2, True),
-        ("self_attn/div#0", "attn_scores", "s", 0, True),
-        ("self_attn/add#0", "attn_scores", "s", 0, True),
-        ("self_attn/_softmax#0", "attn_probs", "s", 0, True),
-        ("self_attn/native_dropout#0", "attn_probs", "s", 0, False),
-        ("self_attn/bmm#1", "attn_context", "h", 2, True),
-        ("self_attn.o_proj/mm#0", "attn_out", "h", 2, True),
-        ("/add#0", "elementwise", "h", 0, True),
-    ]
-    ops += [(f"post_attention_layernorm/{k}", "norm", s, f, True) for k, s, f in _NORM]
-    ops += [
-        ("mlp.gate_proj/mm#0", "mlp_up", "4h", 2, True),
-        ("mlp.up_proj/mm#0", "mlp_up", "4h", 2, True),
-        ("mlp.act_fn/silu#0", "act", "4h", 0, True),
-        ("mlp/mul#0", "elementwise", "4h", 0, True),
-        ("mlp.down_proj/mm#0", "mlp_down", "h", 8, True),
-        ("/add#1", "elementwise", "h", 0, True),
-    ]
-    return ops
-
-
-def _gpt2() -> list[tuple]:
-    ln = [("native_layer_norm#0", "h", 0), ("mean#0", "r", 0), ("rstd#0", "r", 0)]
-    ops = [(f"ln_1/{k}", "norm", s, f, True) for k, s, f in ln]
-    ops += [
-        ("attn.c_attn/addmm#0", "qkv", "3h", 2, True),
-        ("attn/matmul#0", "attn_scores", "s", 2, True),
-        ("attn/div#0", "attn_scores", "s", 0, True),
-        ("attn/where#0", "attn_scores", "s", 0, True),
-        ("attn/_softmax#0", "attn_probs", "s", 0, True),
-        ("attn.attn_dropout/native_dropout#0", "attn_probs", "s", 0, False),
-        ("attn/matmul#1", "attn_context", "h", 2, True),
-        ("attn.c_proj/addmm#0", "attn_out", "h", 2, True),
-        ("attn.resid_dropout/native_dropout#0", "elementwise", "h", 0, False),
-        ("/add#0", "elementwise", "h", 0, True),
-    ]
-    ops += [(f"ln_2/{k}", "norm", s, f, True) for k, s, f in ln]
-    ops += [("mlp.c_fc/addmm#0", "mlp_up", "4h", 2, True)]
-    ops += [(f"mlp.act/{k}#0", "act", "4h", 0, True) for k in ("mul", "pow", "mul_1", "add")]
-    ops += [(f"mlp.act/{k}#0", "act", "4h", 0, True) for k in ("mul_2", "tanh", "add_1", "mul_3")]
-    ops += [
-        ("mlp.c_proj/addmm#0", "mlp_down", "h", 8, True),
-        ("mlp.dropout/native_dropout#0", "elementwise", "h", 0, False),
-        ("/add#1", "elementwise", "h", 0, True),
-    ]
-    ops += [(f"extra/view#{i}", "elementwise", "h", 0, True) for i in range(4)]
-    return ops
-
-
-def _bert() -> list[tuple]:
-    ln = [("native_layer_norm#0", "h", 0), ("mean#0", "r", 0), ("rstd#0", "r", 0)]
-    ops = [(f"attention.self.{p}/addmm#0", "qkv", "h", 2, True) for p in ("query", "key", "value")]
-    ops += [
-        ("attention.self/matmul#0", "attn_scores", "s", 2, True),
-        ("attention.self/div#0", "attn_scores", "s", 0, True),
-        ("attention.self/add#0", "attn_scores", "s", 0, True),
-        ("attention.self/_softmax#0", "attn_probs", "s", 0, True),
-        ("attention.self.dropout/native_dropout#0", "attn_probs", "s", 0, False),
-        ("attention.self/matmul#1", "attn_context", "h", 2, True),
-        ("attention.output.dense/addmm#0", "attn_out", "h", 2, True),
-        ("attention.output.dropout/native_dropout#0", "elementwise", "h", 0, False),
-        ("attention.output/add#0", "elementwise", "h", 0, True),
-    ]
-    ops += [(f"attention.output.LayerNorm/{k}", "norm", s, f, True) for k, s, f in ln]
-    ops += [
-        ("intermediate.dense/addmm#0", "mlp_up", "4h", 2, True),
-        ("intermediate/gelu#0", "act", "4h", 0, True),
-        ("output.dense/addmm#0", "mlp_down", "h", 8, True),
-        ("output.dropout/native_dropout#0", "elementwise", "h", 0, False),
-        ("output/add#0", "elementwise", "h", 0, True),
-    ]
-    ops += [(f"output.LayerNorm/{k}", "norm", s, f, True) for k, s, f in ln]
-    ops += [(f"extra/view#{i}", "elementwise", "h", 0, True) for i in range(4)]
-    return ops
-
-
-def _t5(decoder: bool, first: bool) -> list[tuple]:
-    ops = []
-    for li, attn in enumerate(
-        ("SelfAttention", "EncDecAttention") if decoder else ("SelfAttention",)
-    ):
-        pre = f"layer.{li}"
-        ops += [(f"{pre}.layer_norm/{k}", "norm", s, f, True) for k, s, f in _NORM[:2]]
-        ops += [(f"{pre}.layer_norm/{k}", "norm", s, f, True) for k, s, f in _NORM[3:]]
-        ops += [(f"{pre}.{attn}.{p}/mm#0", "qkv", "h", 2, True) for p in "qkv"]
-        ops += [
-            (f"{pre}.{attn}/matmul#0", "attn_scores", "s", 2, True),
-            (f"{pre}.{attn}/add#0", "attn_scores", "s", 0, True),
-            (f"{pre}.{attn}/_softmax#0", "attn_probs", "s", 0, True),
-            (f"{pre}.{attn}/native_dropout#0", "attn_probs", "s", 0, False),
-            (f"{pre}.{attn}/matmul#1", "attn_context", "h", 2, True),
-            (f"{pre}.{attn}.o/mm#0", "attn_out", "h", 2, True),
-            (f"{pre}/add#0", "elementwise", "h", 0, True),
-        ]
-        if first and attn == "SelfAttention":
-            ops.append(
-                (f"{pre}.{attn}.relative_attention_bias/embedding#0", "attn_scores", "s", 0, True)
-            )
-    ff = f"layer.{2 if decoder else 1}"
-    ops += [(f"{ff}.layer_norm/{k}", "norm", s, f, True) for k, s, f in _NORM[:2]]
-    ops += [
-        (f"{ff}.DenseReluDense.wi/mm#0", "mlp_up", "4h", 2, True),
-        (f"{ff}.DenseReluDense/relu#0", "act", "4h", 0, True),
-        (f"{ff}.DenseReluDense.dropout/native_dropout#0", "act", "4h", 0, False),
-        (f"{ff}.DenseReluDense.wo/mm#0", "mlp_down", "h", 8, True),
-        (f"{ff}/add#0", "elementwise", "h", 0, True),
-    ]
-    return ops
-
-
-# family -> (hidden, heads, seq, batch, bytes/element, {group: (blocks, op list)})
-FAMILIES = {
-    "llama": (2048, 32, 2048, 2, 2, {"layers": (22, _llama())}),
-    "gpt2": (768, 12, 1024, 8, 2, {"h": (12, _gpt2())}),
-    "bert": (768, 12, 512, 16, 2, {"layer": (12, _bert())}),
-    "t5": (
-        768,
-        12,
-        512,
-        8,
-        2,
-        {
-            "encoder.first": (1, _t5(False, True)),
-            "encoder": (11, _t5(False, False)),
-            "decoder.first": (1, _t5(True, True)),
-            "decoder": (11, _t5(True, False)),
-        },
-    ),
-}
-
-
-def synthetic_profile(family: str, seed: int = 0) -> Profile:
-    hidden, heads, seq, batch, elt, spec = FAMILIES[family]
-    rng = random.Random(seed)
-    tokens = seq * batch
-    numel = {"h": tokens * hidden, "3h": 3 * tokens * hidden, "4h": 4 * tokens * hidden}
-    numel |= {"s": batch * heads * seq * seq, "r": tokens}
-
-    def noisy(x: float) -> float:
-        return x * rng.uniform(0.97, 1.03)
-
-    groups = {}
-    for name, (blocks, spec_ops) in spec.items():
-        ops = []
-        last_add = max(i for i, o in enumerate(spec_ops) if "/add#" in o[0])  # the block output
-        for i, (key, layer_type, size, flops, cacheable) in enumerate(spec_ops):
-            n = numel[size]
-            nbytes = n * elt
-            ms = 1e3 * (n * flops * hidden / FLOPS if flops else 3 * nbytes / BW)
-            op = OpProfile(
-                key=key,
-                layer_type=layer_type,
-                shape=(n // hidden, hidden) if n % hidden == 0 else (n,),
-                dtype="torch.bfloat16",
-                nbytes=nbytes,
-                saved=True,
-                cacheable=cacheable,
-                fwd_ms=noisy(ms),
-                block_output=i == last_add,
-                shared_nbytes=nbytes if i == last_add else 0,
-            )
-            if cacheable and size != "r":
-                for codec in CODEC.get(layer_type, ()):
-                    enc = noisy(1e3 * 1.5 * nbytes / CODEC_BW)
-                    op.codecs[codec] = CodecProfile(
-                        codec, {}, int(nbytes / RATIO[codec]), enc, 0.6 * enc, ERROR[codec]
-                    )
-            ops.append(op)
-        x = tokens * hidden * elt
-        full = x + sum(o.nbytes for o in ops if o.saved and not o.block_output)
-        groups[name] = GroupProfile(
-            name=name,
-            num_blocks=blocks,
-            input_nbytes=x,
-            full_nbytes=full,
-            fixed_ms=sum(o.fwd_ms for o in ops if not o.cacheable) + 0.02,
-            transient_nbytes=full - x + max(o.nbytes for o in ops),
-            block_fwd_ms=sum(o.fwd_ms for o in ops),
-            ops=ops,
-        )
-    vocab = 32000 if family == "llama" else 50257
-    return Profile(
-        model_type=family,
-        adapter=family,
-        adapter_version=1,
-        device="cuda:0",
-        dtype="torch.bfloat16",
-        batch_shape={"input_ids": [batch, seq]},
-        groups=groups,
-        nonblock_nbytes=tokens * (hidden + vocab) * elt,
-        nonblock_transient_nbytes=tokens * vocab * 4,
-    )
 
 
 def real_profile(family: str) -> Profile:
@@ -263,6 +46,7 @@ def real_profile(family: str) -> Profile:
 
 
 def machine_info() -> dict:
+    """The CPU, versions and load the timings were taken with."""
     import pulp
     import torch
 
@@ -286,18 +70,17 @@ def machine_info() -> dict:
 
 
 def bench(profile: Profile, repeats: int, solver: str) -> dict:
-    lo = solve(profile, 2**60).min_budget_nbytes
-    hi = profile.no_checkpoint_nbytes() + getattr(profile, "nonblock_transient_nbytes", 0)
+    """`repeats` whole `solve` calls at each of `FRACTIONS` of the budget range: wall ms."""
+    lo, hi = budget_range(profile)
     rows, times = [], []
     for frac in FRACTIONS:
         budget = int(lo + frac * (hi - lo))
         ts, sol = [], None
         for _ in range(repeats):
-            t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                sol = solve(profile, budget, solver=solver)
-            ts.append((time.perf_counter() - t0) * 1e3)
+                sol, ms = cpu_timer(solve, (profile, budget), {"solver": solver})
+            ts.append(ms)
         times += ts
         rows.append(
             {
@@ -351,15 +134,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{b['status']}, +{b['added_ms']:.2f} ms/step, checkpointed {b['checkpointed']}"
             )
     out = {
-        "command": " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": command_line(argv),
         "machine": machine_info(),
         "profiles": "real (tiny models)" if args.real else "synthetic",
         "repeats_per_budget": args.repeats,
         "target_median_ms": TARGET_MS,
         "families": results,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    write_json(args.json, out, indent=2, sort_keys=True)
     print(f"wrote {args.json}")
     return 0
 

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -41,81 +42,30 @@ PARTS: dict[int, tuple[str, str, list[str]]] = {
     5: (
         "accuracy: SmolLM2-135M fine-tuning on Shakespeare, seq 1024",
         "accuracy",
-        [
-            "--suite",
-            "smollm2",
-            "--steps",
-            "200",
-            "--batch-size",
-            "8",
-            "--seq-len",
-            "1024",
-            "--eval-every",
-            "25",
-            "--n-eval",
-            "32",
-        ],
+        shlex.split(
+            "--suite smollm2 --steps 200 --batch-size 8 --seq-len 1024 --eval-every 25 --n-eval 32"
+        ),
     ),
     6: (
         "accuracy: GPT-2 from scratch on Shakespeare bytes, seq 1024",
         "accuracy",
-        [
-            "--suite",
-            "scratch",
-            "--seq-len",
-            "1024",
-            "--scratch-steps",
-            "600",
-            "--scratch-batch-size",
-            "16",
-            "--scratch-width",
-            "384",
-            "--scratch-layers",
-            "6",
-            "--scratch-lr",
-            "6e-4",
-            "--scratch-eval-every",
-            "50",
-            "--n-eval",
-            "32",
-        ],
+        shlex.split(
+            "--suite scratch --seq-len 1024 --scratch-steps 600 --scratch-batch-size 16 "
+            "--scratch-width 384 --scratch-layers 6 --scratch-lr 6e-4 --scratch-eval-every 50 "
+            "--n-eval 32"
+        ),
     ),
 }
+# --smoke: the same drivers on tiny sizes, any device
 SMOKE: dict[str, list[str]] = {
-    "bench_throughput": [
-        "--preset",
-        "tiny",
-        "--strategies",
-        "none",
-        "hf_full",
-        "adacc",
-        "--rounds",
-        "1",
-        "--steps",
-        "1",
-    ],
-    "accuracy": [
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--n-eval",
-        "4",
-        "--scratch-steps",
-        "2",
-        "--scratch-batch-size",
-        "2",
-        "--scratch-width",
-        "32",
-        "--scratch-layers",
-        "2",
-        "--strategies",
-        "none",
-        "naive_int4",
-        "adacc",
-    ],
+    "bench_throughput": shlex.split(
+        "--preset tiny --strategies none hf_full adacc --rounds 1 --steps 1"
+    ),
+    "accuracy": shlex.split(
+        "--steps 2 --batch-size 2 --seq-len 32 --n-eval 4 --scratch-steps 2 "
+        "--scratch-batch-size 2 --scratch-width 32 --scratch-layers 2 "
+        "--strategies none naive_int4 adacc"
+    ),
 }
 
 
@@ -135,7 +85,7 @@ def part_argv(part: int, *, smoke: bool, results: str, tag: str | None) -> tuple
         name = suite
     import torch
 
-    from benchmarks.bench_throughput import device_tag
+    from benchmarks.harness.env import device_tag
 
     if tag is None:
         tag = "smoke" if smoke else device_tag("cuda") if torch.cuda.is_available() else "GPU"

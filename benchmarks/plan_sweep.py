@@ -9,15 +9,20 @@ policy is applied and its activation memory measured independently of the predic
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
-from sweep import budget_sweep
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adacc_hf import assets
+from benchmarks.harness import env
+from benchmarks.harness.report import write_json
+from benchmarks.harness.sweep import budget_sweep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,18 +46,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r.error:+6.1%} {r.added_ms:7.3f} {r.checkpointed_blocks:4d}  {acts}"
             )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "command": "python " + " ".join(sys.argv),
-                    "device": "cpu",
-                    "machine": platform.platform(),
-                    "torch": torch.__version__,
-                    "rows": rows,
-                },
-                f,
-                indent=2,
-            )
+        out = {
+            "command": env.command_line(argv),
+            "device": "cpu",
+            "machine": platform.platform(),
+            "torch": torch.__version__,
+            "rows": rows,
+        }
+        write_json(args.out, out, indent=2)
     return 0
 
 

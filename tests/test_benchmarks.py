@@ -15,8 +15,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from adacc_hf import assets, estimate_static_memory  # noqa: E402
-from adacc_hf.solver import min_budget  # noqa: E402
-from benchmarks import strategies as S  # noqa: E402
+from benchmarks.harness import strategies as S  # noqa: E402
+from benchmarks.harness.adacc import (  # noqa: E402
+    budget_range,
+    profile_for,
+)
+from benchmarks.harness.patching import PatchLeftError, patch_state  # noqa: E402
+from benchmarks.harness.steps import train_step  # noqa: E402
 
 
 def _finite(x) -> bool:
@@ -91,7 +96,7 @@ def test_tiny_accuracy_suite_compares_eval_loss_to_baseline(tmp_path):
 def test_every_strategy_leaves_the_model_unpatched_and_its_gradients_unchanged(family):
     model = assets.tiny_model(family)
     batch = assets.tiny_batch(family, model, batch_size=2, seq_len=16)
-    static = estimate_static_memory(model).total
+    static = estimate_static_memory(model)
 
     def grads():
         model.zero_grad(set_to_none=True)
@@ -101,20 +106,19 @@ def test_every_strategy_leaves_the_model_unpatched_and_its_gradients_unchanged(f
         model.zero_grad(set_to_none=True)
         return out
 
-    before_state, before_grads = S.patch_state(model), grads()
-    profiles = S.profile_for(model, batch, repeats=1)
-    lo = min_budget(profiles.adacc, static)
-    hi = static + profiles.adacc.no_checkpoint_nbytes() + profiles.adacc.nonblock_transient_nbytes
+    before_state, before_grads = patch_state(model), grads()
+    profiles = profile_for(model, batch, repeats=1)
+    lo, hi = budget_range(profiles.adacc, static)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    names = list(S.ALL_STRATEGIES)
+    names = list(S.REGISTRY)
     built = S.build(
         names, model, batch, budget_nbytes=(lo + hi) // 2, static_nbytes=static, profiles=profiles
     )
     for name, strategy in built.items():
         for _ in range(2):  # strategies are entered repeatedly when interleaved
             with strategy:
-                S.train_step(model, batch, opt, strategy)
-            assert S.patch_state(model) == before_state, name
+                train_step(model, batch, opt, strategy)
+            assert patch_state(model) == before_state, name
     after = grads()
     assert after.keys() == before_grads.keys()
     for k in after:
@@ -124,8 +128,8 @@ def test_every_strategy_leaves_the_model_unpatched_and_its_gradients_unchanged(f
 def test_leaving_a_strategy_detects_a_patch_left_behind():
     model = assets.tiny_model("gpt2")
     batch = assets.tiny_batch("gpt2", model)
-    s = S.Strategy("hf_full", model, batch)
-    with pytest.raises(S.PatchLeftError), s:
+    s = S.prepare("hf_full", model, batch)
+    with pytest.raises(PatchLeftError), s:
         model.transformer.h[0].register_forward_hook(lambda *a: None)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.sweep import budget_sweep
+from benchmarks.harness.sweep import budget_sweep
 
 
 def test_budget_sweep_memory_fits_and_matches_prediction(tiny):

@@ -14,6 +14,7 @@ Op keys look like ``"self_attn.q_proj/mm#0"``: the submodule the op runs in (rel
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -215,6 +216,14 @@ class Variant:
     def action(self, key: str) -> Action:
         return self.actions.get(key, RECOMPUTE)
 
+    def fingerprint(self) -> str:
+        """A short hash of the action table (not the count): variants acting alike share it."""
+        body = json.dumps(
+            [self.checkpoint, {k: a.to_json() for k, a in sorted(self.actions.items())}],
+            sort_keys=True,
+        )
+        return hashlib.sha256(body.encode()).hexdigest()[:12]
+
     def to_json(self) -> dict[str, Any]:
         return {
             "count": self.count,
@@ -229,6 +238,11 @@ class Variant:
             checkpoint=bool(obj["checkpoint"]),
             actions={str(k): Action.from_json(v) for k, v in obj.get("actions", {}).items()},
         )
+
+
+def variant_key(group: str, variant: Variant) -> str:
+    """How a group's action table is named in ``Profile.variant_transients``."""
+    return f"{group}:{variant.fingerprint()}"
 
 
 @dataclass
@@ -397,6 +411,9 @@ class Profile:
     nonblock_grad_nbytes: int = 0  # gradients of trainable parameters outside the blocks
     batch_nbytes: int = 0  # the micro-batch's own tensors (on the device all step long)
     timeline: Timeline | None = None  # measured; None: synthesised from the fields above
+    # Measured per action table: "group:variant fingerprint" -> [forward, backward] transient
+    # minus full recomputation's, on the profiled block ("group:full": full recomputation's own).
+    variant_transients: dict[str, list[int]] = field(default_factory=dict)
     library_version: str = ""
     format_version: int = PROFILE_FORMAT
 

@@ -250,15 +250,32 @@ def payload_finite(enc: Encoded) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in enc.tensors.values() if t.is_floating_point())
 
 
-def relative_error(x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-    """``||decoded - x|| / ||x||`` in float32, as a 0-dim tensor on the device (no host sync).
+def sentinel_limit(dtype: torch.dtype) -> float:
+    """Magnitudes from here on are sentinels (masks), not values: a quarter of the dtype's range."""
+    return torch.finfo(dtype).max / 4 if dtype.is_floating_point else float("inf")
 
-    The one error metric codecs are judged by (profiler and rectifier alike): 0 for an exact
-    round trip of an all-zero tensor, inf for a non-finite result.
+
+def has_sentinels(x: torch.Tensor) -> bool:
+    """Whether `x` holds mask sentinels (``-inf``, ``finfo.min``...): lossy codecs keep away from
+    such outputs. Reads the tensor (a host sync: for profiling, not for training steps)."""
+    return x.is_floating_point() and bool((x.detach().abs() >= sentinel_limit(x.dtype)).any())
+
+
+def relative_error(x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """``||decoded - x|| / ||x||`` over the entries backward reads, in float32, as a 0-dim tensor
+    on the device (no host sync). The one error metric codecs are judged by (profiler and
+    rectifier alike).
+
+    Sentinel entries (``-inf`` / ``finfo.min`` masks in attention scores, anything beyond a
+    quarter of the dtype's range) are left out: they dwarf the real values, so an error measured
+    with them says nothing about what the mask leaves visible (which a codec may ruin). 0 for an
+    exact round trip of an all-zero tensor, inf for a non-finite result.
     """
     xf = x.detach().float()
-    diff = torch.linalg.vector_norm(decoded.detach().float() - xf)
-    base = torch.linalg.vector_norm(xf)
+    regular = xf.abs() < sentinel_limit(x.dtype)
+    zero = xf.new_zeros(())
+    diff = torch.linalg.vector_norm(torch.where(regular, decoded.detach().float() - xf, zero))
+    base = torch.linalg.vector_norm(torch.where(regular, xf, zero))
     err = diff / base
     err = torch.where(base == 0, torch.where(diff == 0, 0.0, torch.inf), err)
     return torch.nan_to_num(err, nan=torch.inf, posinf=torch.inf)

@@ -22,7 +22,7 @@ from ..adapters import unwrap_model
 from ..evolution import OutlierTracker, TrackingSchedule
 from ..policy import Policy
 from ..policy.display import describe, metrics
-from ..profiler import profile_model
+from ..profiler import BlockProbe, measure_variants, profile_model
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.peak import live_state_nbytes
 from ..runtime.sharded import forwards_without_backward
@@ -178,13 +178,14 @@ class AdaccSession:
         plan = self.plans.get(key)
         if plan is not None and not plan.stale:
             return plan
+        probes: dict[str, BlockProbe] = {}
         if plan is not None:
             profile = plan.profile
         elif key in self.profiles:
             profile = self.profiles[key]
         else:
-            profile = self.profiles[key] = self._profile(batch, key)
-        policy = self.coordinator.share(lambda: self.solve(profile))
+            profile = self.profiles[key] = self._profile(batch, key, probes)
+        policy = self._solve_measured(profile, probes)
         policy.metadata["shape_key"] = list(key)
         plan = self.plans[key] = Plan(key, policy, profile)
         msg = f"bucket {_key_text(key)}: {describe(policy)}"
@@ -192,16 +193,37 @@ class AdaccSession:
         logger.info("adacc plan for %s:\n%s", msg, policy.table())
         return plan
 
-    def _profile(self, batch: Mapping[str, Any], key: ShapeKey) -> Profile:
+    def _solve_measured(self, profile: Profile, probes: dict[str, BlockProbe]) -> Policy:
+        """Solve; measure the action tables the policy uses on the profiled blocks (their real
+        transients go into the profile) and solve again with them, up to twice."""
+        policy = self.coordinator.share(lambda: self.solve(profile))
+        for _ in range(2):
+            if not probes:
+                break
+            variants = [
+                (name, v) for name, g in policy.groups.items() for v in g.variants if v.count
+            ]
+            self._planning = True
+            try:
+                new = measure_variants(profile, probes, variants, self.autocast)
+            finally:
+                self._planning = False
+            if not new:
+                break
+            policy = self.coordinator.share(lambda: self.solve(profile))
+        return policy
+
+    def _profile(
+        self, batch: Mapping[str, Any], key: ShapeKey, probes: dict | None = None
+    ) -> Profile:
         """Profile `batch` padded to `key`'s edge; op costs scale from the nearest profiled
         bucket when there is one (memory is always measured)."""
         pad = getattr(self.model.config, "pad_token_id", None)
         sample = padded(batch, key, pad if isinstance(pad, int) else None)
-        near = min(
-            self.profiles.items(),
-            key=lambda kv: abs(_tokens(kv[0]) - _tokens(key)),
-            default=(None, None),
-        )[1]
+        alike = [(k, p) for k, p in self.profiles.items() if k[-1] == key[-1]]  # same masking
+        near = min(alike, key=lambda kv: abs(_tokens(kv[0]) - _tokens(key)), default=(None, None))[
+            1
+        ]
         # On every rank: under ZeRO-3 / FSDP these forwards all-gather parameters. Inside a
         # training forward (the hook), FSDP2's state is left to that step's backward.
         self._planning = True
@@ -215,6 +237,7 @@ class AdaccSession:
                     repeats=self.config.profile_repeats,
                     autocast=self.autocast,
                     reference=near,
+                    probes=probes,
                 )
         finally:
             self._planning = False

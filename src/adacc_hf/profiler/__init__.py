@@ -22,10 +22,19 @@ from .._version import __version__
 from ..adapters import get_adapter, unwrap_model
 from ..runtime.trace import autocast_context, run_representatives
 from ..schema import GroupProfile, Profile
-from .memory import StepMemory, measure
+from .memory import StepMemory, measure, sharded
 from .ops import GroupOps, candidate_codecs, op_visitor, profile_codec
+from .variants import BlockProbe, measure_variants
 
-__all__ = ["Profile", "StepMemory", "candidate_codecs", "profile_codec", "profile_model"]
+__all__ = [
+    "BlockProbe",
+    "Profile",
+    "StepMemory",
+    "candidate_codecs",
+    "measure_variants",
+    "profile_codec",
+    "profile_model",
+]
 
 
 def _grad_nbytes(modules: Iterable[nn.Module]) -> int:
@@ -54,6 +63,7 @@ def profile_model(
     warmup: int = 1,
     autocast: torch.dtype | None = None,
     reference: Profile | None = None,
+    probes: dict | None = None,
 ) -> Profile:
     """Measure one block of each group on the model's device with the real micro-batch.
 
@@ -62,7 +72,8 @@ def profile_model(
     after `warmup` give medians; `autocast`: the dtype the run's forward autocasts to (bf16 /
     fp16 mixed precision), so ops, sizes and times are those of the run. With a `reference`
     profile of the same model at another batch shape, op costs are scaled from it (memory is
-    always measured).
+    always measured). `probes` (a dict) gets each group's profiled block and its inputs, for
+    measuring action tables later (`variants.measure_variants`).
     """
     t_start = time.perf_counter()
     adapter = get_adapter(model)
@@ -81,6 +92,7 @@ def profile_model(
         repeats=repeats,
         warmup=warmup,
         reference=reference.groups if reference is not None else None,
+        probes=probes if not sharded(base) else None,  # a sharded block gathers across ranks
     )
     try:
         with autocast_context(device, autocast, cache=False):

@@ -62,7 +62,8 @@ class StepMemory:
     timeline: Timeline | None = None  # the full-recomputation step, block by block
 
 
-def _sharded(model: nn.Module) -> bool:
+def sharded(model: nn.Module) -> bool:
+    """ZeRO-3 or FSDP2 parameters: a forward or backward gathers them across ranks."""
     from torch.distributed.tensor import DTensor
 
     return any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in model.parameters())
@@ -192,7 +193,7 @@ def measure(
 ) -> StepMemory:
     """Run the measurements of the module docstring (every group's ops in `specs`), forwards
     under `autocast` (a dtype, or None)."""
-    backward = not _sharded(base)
+    backward = not sharded(base)
     kwargs = model_kwargs(base, batch)
     device = next(base.parameters()).device
 

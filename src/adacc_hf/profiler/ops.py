@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 
-from ..codecs import Codec, get_codec, payload_finite, relative_error
+from ..codecs import Codec, get_codec, has_sentinels, payload_finite, relative_error
 from ..runtime.ops import storage_id, tensor_outputs
 from ..runtime.peak import AllocationTracker
 from ..runtime.timing import elapsed_ms, sync, time_call, timer_for
 from ..runtime.trace import record_block
 from ..schema import CodecProfile, GroupProfile, OpProfile, OpSpec, codec_candidates
+from .variants import BlockProbe
 
 
 def candidate_codecs(
@@ -108,7 +109,8 @@ def scaled(ops: list[OpSpec], outputs: list, outs: set[int], ref: GroupProfile) 
             ),
         )
         dtype = getattr(torch, op.dtype.removeprefix("torch."), None)
-        for name, cp in r.codecs.items():
+        masked = bool(tensors) and has_sentinels(tensors[0])
+        for name, cp in {} if masked else r.codecs.items():
             codec = get_codec(name, **cp.params)
             prof.codecs[name] = CodecProfile(
                 codec=name,
@@ -135,15 +137,24 @@ def op_visitor(
     repeats: int,
     warmup: int,
     reference: Mapping[str, GroupProfile] | None = None,
+    probes: dict | None = None,
 ):
     """A `run_representatives` visitor that times every op of the block `repeats` times (after
     `warmup` runs) and profiles each candidate codec on the op's real output; with a `reference`
     profile of the same model at another shape, it only traces the block and scales the
-    reference's costs (`scaled`), measuring the group anew where the ops differ."""
+    reference's costs (`scaled`), measuring the group anew where the ops differ. `probes`, when
+    given, gets each group's block and inputs (`variants.BlockProbe`)."""
     allowed = list(codecs) if codecs is not None else None
     timer = timer_for(device)
 
     def visit(adapter, group, block, fn, args):
+        out = _visit(adapter, group, block, fn, args)
+        if probes is not None:
+            known = {o.key for o in measured[group.name].ops}
+            probes[group.name] = BlockProbe(group.name, group.paths[0], block, fn, args, known)
+        return out
+
+    def _visit(adapter, group, block, fn, args):
         ref = reference.get(group.name) if reference else None
         if ref is not None:
             out, rec, ops = record_block(adapter, group, block, fn, args, timer=_untimed)
@@ -177,7 +188,9 @@ def op_visitor(
                     if t.numel() and storage_id(t) in outs
                 ),
             )
-            if op.cacheable and tensors:
+            # Masked outputs (attention scores with -inf / finfo.min) stay exact: a lossy codec
+            # would scale to the sentinels and ruin what the mask leaves visible.
+            if op.cacheable and tensors and not has_sentinels(tensors[0]):
                 for codec in candidate_codecs(op, allowed, codec_params):
                     cp = profile_codec(codec, tensors[0], device)
                     if cp is not None:

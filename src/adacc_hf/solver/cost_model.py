@@ -23,7 +23,7 @@ import torch
 from ..codecs import get_codec
 from ..errors import PolicyError
 from ..policy import Policy
-from ..schema import Action, GroupProfile, OpProfile, Profile
+from ..schema import Action, GroupProfile, OpProfile, Profile, variant_key
 from .static import StaticMemory
 from .step import BlockLoad, StepEstimate, extreme_peaks, in_forward_order, step_peak
 
@@ -232,7 +232,9 @@ def block_loads(profile: Profile, policy: Policy) -> tuple[dict[str, list[BlockL
                     dtype = getattr(torch, op.dtype.removeprefix("torch."))
                     b += codec.predict_nbytes(op.shape, dtype)
                     unprofiled.append(f"{name}/{op.key}:{act.codec}")
-            load = BlockLoad(name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws)
+            load = BlockLoad(
+                name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, variant_key(name, v)
+            )
             blocks += [load] * v.count
             ms.append(math.fsum(t) * v.count)
         loads[name] = blocks

@@ -46,6 +46,7 @@ class BlockLoad:
     kept_shared: int = 0  # kept outputs that are the block's output (held anyway in forward)
     encode_workspace: int = 0
     decode_workspace: int = 0
+    variant: str = ""  # its action table's key in ``Profile.variant_transients``
 
 
 @dataclass
@@ -106,19 +107,25 @@ def synthesised_timeline(profile: Profile) -> Timeline:
     )
 
 
-def _forward_transient(b: BlockLoad, g: GroupProfile, measured: int) -> int:
-    """Measured under full recomputation, plus everything the block keeps (it accumulates while
-    the block runs) and its codecs' encode workspace."""
+def _forward_transient(b: BlockLoad, g: GroupProfile, measured: int, deltas: dict) -> int:
+    """Measured under full recomputation, plus the difference its action table makes (measured,
+    `profiler.variants`), or else everything the block keeps (it accumulates while the block
+    runs) and its codecs' encode workspace."""
     if not b.checkpoint:
         return g.plain_forward_transient_nbytes
+    if b.variant in deltas:
+        return max(0, measured + deltas[b.variant][0])
     return measured + b.kept + b.encode_workspace
 
 
-def _backward_transient(b: BlockLoad, g: GroupProfile, measured: int) -> int:
-    """Measured under full recomputation (kept outputs are handed back instead of rerun, which
-    can only lower it: not counted), plus its codecs' decode workspace."""
+def _backward_transient(b: BlockLoad, g: GroupProfile, measured: int, deltas: dict) -> int:
+    """Measured under full recomputation, plus the difference its action table makes (measured),
+    or else its codecs' decode workspace (kept outputs are handed back instead of rerun, which can
+    only lower the transient: not counted unmeasured)."""
     if not b.checkpoint:
         return g.plain_transient_nbytes
+    if b.variant in deltas:
+        return max(0, measured + deltas[b.variant][1])
     return measured + b.decode_workspace
 
 
@@ -145,6 +152,7 @@ def step_peak(
     groups = _groups_in_order(profile)
     if len(blocks) != len(tl.held):
         raise ValueError(f"{len(blocks)} blocks for a profile of {len(tl.held)}")
+    deltas = profile.variant_transients
     # The timeline was measured without gradients at the step's start (the first micro-batch);
     # later micro-batches of gradient accumulation start with all of them.
     unsharded = profile.nonblock_grad_nbytes + sum(g.grad_nbytes for g in groups)
@@ -167,7 +175,11 @@ def step_peak(
     for j, (b, g) in enumerate(zip(blocks, groups, strict=True)):
         measured = tl.forward_peak[j] - tl.forward_start[j]
         moments[f"forward:{j}"] = (
-            resident + acc + tl.forward_start[j] + before + _forward_transient(b, g, measured)
+            resident
+            + acc
+            + tl.forward_start[j]
+            + before
+            + _forward_transient(b, g, measured, deltas)
         )
         before += delta[j]
     total = before
@@ -185,7 +197,7 @@ def step_peak(
             + tl.backward_start[j]
             + sum(delta[: j + 1])
             + cached_output
-            + _backward_transient(b, g, measured)
+            + _backward_transient(b, g, measured, deltas)
         )
     moments["tail"] = resident + max(tl.tail_peak, acc)
     moments["optimizer"] = resident + grads + opt_step

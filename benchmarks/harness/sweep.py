@@ -46,7 +46,7 @@ class StepRow:
     @property
     def at_edge(self) -> bool:
         """The batch is as long as its bucket's edge (the prediction is for exactly this shape)."""
-        return self.shape == self.bucket
+        return self.shape == self.bucket[: len(self.shape)]
 
 
 def _shape(batch: Mapping[str, Any]) -> list[int]:

@@ -1,0 +1,86 @@
+"""Where and how a benchmark runs: device, dtype, threads, the results' file tag, the time limit,
+and the header every results JSON starts with (command, device, threads, load, versions).
+
+CPU runs are single-threaded by default: on a shared 2-core machine two OpenMP threads stall at
+every op's barrier whenever another job holds a core.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+def device_name(device: str | torch.device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def device_tag(device: str | torch.device) -> str:
+    """A file-name tag for the device: ``cpu``, or the GPU's name (``nvidia-h100-80gb-hbm3``)."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(torch.device(device))
+        return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    return "cpu"
+
+
+def default_dtype(device: torch.device, name: str | None = None) -> torch.dtype:
+    """`name` (``"bfloat16"``) if given; else bfloat16 on CUDA, float32 elsewhere."""
+    if name:
+        return getattr(torch, name)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def set_threads(device: torch.device, threads: int | None) -> None:
+    """`threads` torch threads; one on a CPU unless told otherwise."""
+    if device.type != "cuda":
+        torch.set_num_threads(threads or 1)
+    elif threads:
+        torch.set_num_threads(threads)
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command that ran (`argv`: what `main` was given, None: the real command line)."""
+    return "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+
+
+def header(suite: str, argv: list[str] | None, device: str | torch.device) -> dict[str, Any]:
+    """What every results JSON of a training benchmark starts with."""
+    import transformers
+
+    return {
+        "suite": suite,
+        "command": command_line(argv),
+        "device": device_name(device),
+        "threads": torch.get_num_threads(),
+        "load_average_at_start": os.getloadavg(),  # other jobs on the machine (1, 5, 15 min)
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+    }
+
+
+class Deadline:
+    """Seconds since start, and whether `limit` seconds (None: no limit) have passed."""
+
+    def __init__(self, limit: float | None) -> None:
+        self.limit = limit
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def passed(self) -> bool:
+        return self.limit is not None and self.elapsed() > self.limit
+
+    def __str__(self) -> str:
+        return f"{self.elapsed():.0f} s"

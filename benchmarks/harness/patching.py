@@ -1,0 +1,123 @@
+"""What a strategy may change on a model, and transformers' own checkpointing switch.
+
+`patch_state` fingerprints every module's checkpointing attributes, hook ids and training flag;
+`snapshot` / `restore` put the attributes back. A prepared strategy (`prepared.Prepared`) takes
+both around every entry and raises `PatchLeftError` when leaving did not restore the fingerprint.
+`hf_enable` / `hf_disable` switch transformers' activation checkpointing as a user does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+_ATTRS = (
+    "gradient_checkpointing",
+    "_gradient_checkpointing_func",
+    "_adacc_handle",
+    "_require_grads_hooks",
+    "_require_grads_hook",
+    "forward",
+)
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+)
+
+
+class PatchLeftError(RuntimeError):
+    """A strategy left something behind on the model."""
+
+
+def patch_state(model: nn.Module) -> dict[str, Any]:
+    """What a strategy may change on a model: per module, its checkpointing attributes (by identity
+    for objects), its hook ids and its training flag."""
+    state = {}
+    for name, mod in model.named_modules():
+        attrs = {}
+        for a in _ATTRS:
+            if a in mod.__dict__:
+                v = mod.__dict__[a]
+                attrs[a] = v if isinstance(v, (bool, int, float, str, type(None))) else id(v)
+        hooks = tuple(tuple(getattr(mod, h, {}).keys()) for h in _HOOK_DICTS)
+        state[name] = (attrs, hooks, mod.training)
+    return state
+
+
+def snapshot(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Every module's checkpointing attributes, to `restore` later."""
+    return {
+        name: {a: mod.__dict__[a] for a in _ATTRS if a in mod.__dict__}
+        for name, mod in model.named_modules()
+    }
+
+
+def restore(model: nn.Module, saved: dict[str, dict[str, Any]]) -> None:
+    for name, mod in model.named_modules():
+        before = saved.get(name, {})
+        for a in _ATTRS:
+            if a in before:
+                mod.__dict__[a] = before[a]
+            else:
+                mod.__dict__.pop(a, None)
+
+
+def check_unchanged(before: dict[str, Any], model: nn.Module, who: str) -> None:
+    """Raise `PatchLeftError` when `model`'s `patch_state` differs from `before`."""
+    after = patch_state(model)
+    if after != before:
+        diff = [k for k in before if before[k] != after.get(k)][:5]
+        raise PatchLeftError(f"strategy {who} left the model patched at {diff}")
+
+
+def hf_enable(model: nn.Module, *, offload: bool) -> None:
+    """transformers' own activation checkpointing (non-reentrant), as a user switches it on.
+
+    transformers >= 5.23: ``activation_checkpointing_enable(..., offload=)``; before that,
+    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``. On a machine without an
+    accelerator (transformers 5.23 asks for pinned memory there and fails) or a transformers
+    without ``offload``, offload is the same wrapper transformers installs: ``save_on_cpu`` around
+    each layer's checkpoint.
+    """
+    kwargs = {"use_reentrant": False}
+    new = getattr(model, "activation_checkpointing_enable", None)
+    enable = new or model.gradient_checkpointing_enable
+    has_offload = "offload" in inspect.signature(enable).parameters
+    native_offload = offload and has_offload and torch.cuda.is_available()
+    extra = {"offload": True} if native_offload else {}
+    if new is not None:
+        new(activation_checkpointing_kwargs=kwargs, **extra)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **extra)
+    if offload and not native_offload:
+        from torch.autograd.graph import save_on_cpu
+        from torch.utils.checkpoint import checkpoint
+
+        pin = torch.cuda.is_available()
+
+        def offloaded(function, *args, **kw):
+            with save_on_cpu(pin_memory=pin):
+                return checkpoint(function, *args, **kw)
+
+        func = functools.partial(offloaded, **kwargs)
+        for mod in model.modules():
+            if "_gradient_checkpointing_func" in mod.__dict__:
+                mod._gradient_checkpointing_func = func
+
+
+def hf_disable(model: nn.Module) -> None:
+    off = getattr(model, "activation_checkpointing_disable", None) or (
+        model.gradient_checkpointing_disable
+    )
+    off()
+    # transformers adds an input-embedding hook on enable and removes it on disable only for PEFT
+    with contextlib.suppress(AttributeError):  # older versions: no hook, no attribute
+        model.disable_input_require_grads()

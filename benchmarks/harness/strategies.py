@@ -1,0 +1,152 @@
+"""The registry of activation-memory strategies the benchmarks compare; every driver reads it.
+
+Each `Strategy` names what a user would switch on, the label tables and plots show, its `kind`
+(how it is prepared, installed and uninstalled: `benchmarks.harness.prepared`) and whether its
+memory depends on the budget. `prepare` / `build` make them ready for one model, micro-batch and
+budget; entering one installs it, leaving restores the model exactly::
+
+    ready = build(["hf_full", "adacc"], model, batch, budget_nbytes=b, static_nbytes=s)
+    with ready["adacc"] as s:
+        train_step(model, batch, optimizer, s)      # benchmarks.harness.steps
+
+`MAIN` is what users run today (no checkpointing, transformers' full checkpointing with and
+without CPU offload, Megatron-style selective recompute, naive INT4 on every saved activation)
+and Adacc (static, with evolution, without outlier separation). The accuracy suite adds two fixed
+policies that compress every saved activation, to show what the codecs themselves cost in loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from torch import nn
+
+from adacc_hf import Policy, attention_recompute_policy, uniform_policy
+from adacc_hf.schema import CODEC_FOR_LAYER, LAYER_TYPES
+
+from .adacc import NO_OUTLIER_CODEC, Profiles, profile_for
+from .prepared import (
+    EvolvingPolicy,
+    HFCheckpointing,
+    NoCheckpointing,
+    Prepared,
+    RulePolicy,
+    SolvedPolicy,
+)
+
+Batch = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to keep activations for backward."""
+
+    name: str
+    label: str
+    kind: Callable[..., Prepared]  # `Prepared` subclass (options bound): install / uninstall
+    budgeted: bool = False  # its policy is solved per budget
+    accuracy_only: bool = False  # only the accuracy suite runs it
+
+
+# fixed policies (rules over a traced model)
+def naive_int4(model: nn.Module, batch: Batch) -> Policy:
+    """The paper's "Quantization" baseline: every saved activation per-token INT4."""
+    return uniform_policy(model, "compress", batch, codecs=dict.fromkeys(LAYER_TYPES, "int4_naive"))
+
+
+def every_activation(model: nn.Module, batch: Batch) -> Policy:
+    """Adacc's layer-specific codecs on every saved activation."""
+    return uniform_policy(model, "compress", batch)
+
+
+def every_activation_no_outlier(model: nn.Module, batch: Batch) -> Policy:
+    """The same, with int4_naive (groups of 64) wherever int4_outlier would run."""
+    codec, params = NO_OUTLIER_CODEC
+    swap = {t: codec for t, c in CODEC_FOR_LAYER.items() if c == "int4_outlier"}
+    return uniform_policy(model, "compress", batch, codecs=swap, codec_params={codec: params})
+
+
+def _rule(rule: Callable[[nn.Module, Batch], Policy]) -> Callable[..., Prepared]:
+    return partial(RulePolicy, rule=rule)
+
+
+REGISTRY: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("none", "no checkpointing", NoCheckpointing),
+        Strategy("hf_full", "HF full checkpointing", HFCheckpointing),
+        Strategy(
+            "hf_offload", "HF checkpointing + CPU offload", partial(HFCheckpointing, offload=True)
+        ),
+        Strategy(
+            "megatron", "Megatron selective (attention core)", _rule(attention_recompute_policy)
+        ),
+        Strategy("naive_int4", "naive INT4 on all activations", _rule(naive_int4)),
+        Strategy("adacc", "Adacc (static)", SolvedPolicy, budgeted=True),
+        Strategy("adacc_adaptive", "Adacc + evolution", EvolvingPolicy, budgeted=True),
+        Strategy(
+            "adacc_no_outlier",
+            "Adacc w/o outlier separation",
+            partial(SolvedPolicy, no_outlier=True),
+            budgeted=True,
+        ),
+        Strategy(
+            "adacc_all",
+            "Adacc codecs on every saved activation",
+            _rule(every_activation),
+            accuracy_only=True,
+        ),
+        Strategy(
+            "adacc_all_no_outlier",
+            "Adacc codecs on every saved activation, w/o outlier separation",
+            _rule(every_activation_no_outlier),
+            accuracy_only=True,
+        ),
+    )
+}
+#: What the throughput suites compare, in the order tables and plots show.
+MAIN: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if not s.accuracy_only)
+
+
+def label(name: str) -> str:
+    return REGISTRY[name].label if name in REGISTRY else name
+
+
+def check_names(names: list[str], known: Mapping[str, Any] | tuple[str, ...] = MAIN) -> None:
+    """Exit with the known names when `names` holds another."""
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown strategies {unknown}; known: {', '.join(known)}")
+
+
+def prepare(name: str, model: nn.Module, batch: Batch, **kwargs: Any) -> Prepared:
+    """Strategy `name` for `model` and `batch` (not prepared yet: `.prepare()` or enter it).
+    kwargs: ``budget_nbytes``, ``static_nbytes``, ``profiles``, ``profile_repeats``."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(REGISTRY)}")
+    s = REGISTRY[name]
+    return s.kind(s, model, batch, **kwargs)
+
+
+def build(
+    names: list[str],
+    model: nn.Module,
+    batch: Batch,
+    *,
+    budget_nbytes: int | None,
+    static_nbytes: int,
+    profiles: Profiles | None = None,
+    profile_repeats: int = 3,
+) -> dict[str, Prepared]:
+    """Prepare `names` for one model, batch and budget, profiling once for all Adacc strategies."""
+    budgeted = [n for n in names if REGISTRY[n].budgeted]
+    if budgeted and profiles is None:
+        no_outlier = "adacc_no_outlier" in budgeted
+        profiles = profile_for(model, batch, profile_repeats, no_outlier=no_outlier)
+    kw = dict(budget_nbytes=budget_nbytes, static_nbytes=static_nbytes, profiles=profiles)
+    return {
+        n: prepare(n, model, batch, profile_repeats=profile_repeats, **kw).prepare() for n in names
+    }
