@@ -1,7 +1,9 @@
-"""Budget sweep on the tiny family configs: predicted vs measured activation memory and time.
+"""Budget sweep on the tiny family configs: the step peak each plan predicts against the one
+measured, for fixed shapes and dynamic padding, in fp32 and under bf16 autocast.
 
-For each family, budgets from the smallest feasible one to the no-checkpointing need; each solved
-policy is applied and its activation memory measured independently of the prediction.
+For each family, budgets from full recomputation's step peak to no checkpointing's (for the
+longest batch); every batch's training step is measured with `adacc_hf.measure_step_peak`,
+independently of the prediction.
 
     python benchmarks/plan_sweep.py --out benchmarks/results/plan-sweep-cpu.json
 """
@@ -9,7 +11,6 @@ policy is applied and its activation memory measured independently of the predic
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -24,36 +25,58 @@ from benchmarks.harness import env
 from benchmarks.harness.report import write_json
 from benchmarks.harness.sweep import budget_sweep
 
+LAYERS = {"t5": {"num_layers": 4, "num_decoder_layers": 4}, "gpt2": {"n_layer": 4}}
+SHAPES = {"fixed": [64, 64], "dynamic": [16, 64, 32, 128, 48]}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
-    p.add_argument("--points", type=int, default=6)
+    p.add_argument("--points", type=int, default=4)
+    p.add_argument("--families", nargs="+", default=list(assets.SUPPORTED_FAMILIES))
     args = p.parse_args(argv)
     rows = []
     print(
-        f"{'family':7s} {'budget KiB':>10s} {'share KiB':>9s} {'pred KiB':>8s} {'meas KiB':>8s} "
-        f"{'err':>6s} {'+ms':>7s} {'ckpt':>4s}  actions"
+        f"{'family':7s} {'dtype':5s} {'shape':9s} {'budget KiB':>10s} {'pred KiB':>9s} "
+        f"{'meas KiB':>9s} {'err':>7s} {'+ms':>8s}  moment"
     )
-    for family in assets.SUPPORTED_FAMILIES:
-        model = assets.tiny_model(family)
-        for r in budget_sweep(model, assets.tiny_batch(family, model), args.points):
-            rows.append({"family": family, **asdict(r), "error": r.error})
-            acts = ", ".join(f"{k} {v}" for k, v in sorted(r.actions.items()))
-            print(
-                f"{family:7s} {r.budget_nbytes / 1024:10.1f} {r.share_nbytes / 1024:9.1f} "
-                f"{r.predicted_nbytes / 1024:8.1f} {r.measured_nbytes / 1024:8.1f} "
-                f"{r.error:+6.1%} {r.added_ms:7.3f} {r.checkpointed_blocks:4d}  {acts}"
-            )
+    for family in args.families:
+        for dtype, autocast in DTYPES.items():
+            for mode, lengths in SHAPES.items():
+
+                def make(family=family):
+                    return assets.tiny_model(family, **LAYERS.get(family, {"num_hidden_layers": 4}))
+
+                model = make()
+                batches = [
+                    assets.tiny_batch(family, model, batch_size=4, seq_len=n, seed=i)
+                    for i, n in enumerate(lengths)
+                ]
+                for r in budget_sweep(make, batches, args.points, autocast=autocast):
+                    rows.append(
+                        {
+                            "family": family,
+                            "dtype": dtype,
+                            "shapes": mode,
+                            **asdict(r),
+                            "error": r.error,
+                            "at_edge": r.at_edge,
+                        }
+                    )
+                    print(
+                        f"{family:7s} {dtype:5s} {'x'.join(map(str, r.shape)):9s} "
+                        f"{r.budget_nbytes / 1024:10.1f} {r.predicted_nbytes / 1024:9.1f} "
+                        f"{r.measured_nbytes / 1024:9.1f} {r.error:+7.2%} {r.added_ms:8.3f}  "
+                        f"{r.moment}{'' if r.at_edge else ' (inside its bucket)'}"
+                    )
+    over = [r for r in rows if r["measured_nbytes"] > r["budget_nbytes"]]
+    worst = max((abs(r["error"]) for r in rows if r["at_edge"]), default=0.0)
+    print(
+        f"\n{len(rows)} steps: {len(over)} over budget; worst error at a bucket's edge {worst:.2%}"
+    )
     if args.out:
-        out = {
-            "command": env.command_line(argv),
-            "device": "cpu",
-            "machine": platform.platform(),
-            "torch": torch.__version__,
-            "rows": rows,
-        }
-        write_json(args.out, out, indent=2)
+        write_json(args.out, {**env.header("plan-sweep", sys.argv, "cpu"), "rows": rows})
     return 0
 
 

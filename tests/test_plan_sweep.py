@@ -1,6 +1,9 @@
-"""End to end, prediction against measurement: over a sweep of budgets, every solved policy holds
-no more than the budget's activation share, within 5 % of the prediction, and costs less time as
-the budget grows; a budget that fits everything checkpoints nothing."""
+"""End to end, prediction against measurement: for budgets from full recomputation's step peak to
+no checkpointing's, families x {fp32, bf16 autocast} x {one shape, dynamic padding over 8x
+lengths with the first batch the shortest}, every training step's measured peak
+(`measure_step_peak`) stays within the budget, the prediction for a batch as long as its bucket is
+within 5 % of the measurement, no op of the run is unknown to its policy, and the planned time
+falls as the budget grows."""
 
 from __future__ import annotations
 
@@ -8,18 +11,60 @@ import itertools
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from adacc_hf import assets
 from benchmarks.harness.sweep import budget_sweep
 
+LAYERS = {"t5": {"num_layers": 4, "num_decoder_layers": 4}, "gpt2": {"n_layer": 4}}
+DYNAMIC = [16, 64, 32, 128, 48]  # 8x from the first (shortest) to the longest
+FIXED = [64, 64]
+# One case per family in the default run (both dtypes, both shape modes); the rest is `slow`.
+DEFAULT = {
+    ("llama", "bf16", "dynamic"),
+    ("gpt2", "fp32", "dynamic"),
+    ("t5", "bf16", "fixed"),
+    ("bert", "fp32", "fixed"),
+}
+CASES = [
+    pytest.param(f, d, s, marks=() if (f, d, s) in DEFAULT else pytest.mark.slow)
+    for f in ("llama", "gpt2", "t5", "bert")
+    for d in ("fp32", "bf16")
+    for s in ("fixed", "dynamic")
+]
 
-def test_budget_sweep_memory_fits_and_matches_prediction(tiny):
-    model, batch = tiny
-    rows = budget_sweep(model, batch, points=5, repeats=2)
+
+@pytest.mark.parametrize(("family", "dtype", "shapes"), CASES)
+def test_step_peak_stays_within_budget_and_near_the_prediction(family, dtype, shapes):
+    def make():
+        return assets.tiny_model(family, **LAYERS.get(family, {"num_hidden_layers": 4}))
+
+    lengths = DYNAMIC if shapes == "dynamic" else FIXED
+    model = make()
+    batches = [
+        assets.tiny_batch(family, model, batch_size=4, seq_len=n, seed=i)
+        for i, n in enumerate(lengths)
+    ]
+    autocast = torch.bfloat16 if dtype == "bf16" else None
+    rows = budget_sweep(make, batches, points=3, autocast=autocast)
+    assert rows
     for r in rows:
-        assert r.measured_nbytes <= r.share_nbytes, r
-        assert abs(r.error) <= 0.05, r
-    times = [r.added_ms for r in rows]
+        assert r.measured_nbytes <= r.budget_nbytes, r
+        assert r.unknown_ops == 0, r
+        if r.at_edge:
+            assert abs(r.error) <= 0.05, r
+    per_budget: dict[int, float] = {}
+    for r in rows:
+        if r.shape == list(batches[-1]["input_ids"].shape):
+            per_budget[r.budget_nbytes] = r.added_ms
+    times = [per_budget[b] for b in sorted(per_budget)]
     assert all(a >= b - 1e-9 for a, b in itertools.pairwise(times)), times
-    assert rows[-1].checkpointed_blocks == 0 and rows[-1].added_ms == 0
-    assert rows[0].checkpointed_blocks > 0
+    if shapes == "dynamic":  # short batches get their own, cheaper plans
+        first = next(r for r in rows if r.shape[1] == lengths[0])
+        longest = next(
+            r for r in rows if r.shape[1] == max(lengths) and r.budget_nbytes == first.budget_nbytes
+        )
+        assert first.predicted_nbytes < longest.predicted_nbytes

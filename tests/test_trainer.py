@@ -281,3 +281,78 @@ def test_lora_with_8bit_adamw_trains_and_static_memory_accounts_for_it(tmp_path)
     assert session.static_nbytes == measured_static_memory(model, trainer.optimizer)
     lora = [p for n, p in model.named_parameters() if "lora_" in n]
     assert lora and all(p.grad is not None and torch.isfinite(p.grad).all() for p in lora)
+
+
+class VariableLengths(torch.utils.data.Dataset):
+    """Token rows of lengths 8 to 64 (8x), for dynamic padding."""
+
+    def __init__(self, n: int = 32, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        lengths = [8, 64, 16, 40, 24, 56, 12, 32]
+        self.rows = [
+            torch.randint(3, 256, (lengths[i % len(lengths)],), generator=g) for i in range(n)
+        ]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def pad_collate(rows):
+    """Dynamic padding: each batch to its own longest row (pad 0, mask 0, labels -100)."""
+    n = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = r["input_ids"]
+        mask[i, : len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_bf16_dynamic_padding_accumulation_and_evaluation_stay_in_budget(tmp_path, caplog):
+    """bf16 mixed precision, gradient accumulation 2, evaluation between steps, length-grouped
+    dynamic padding: every bucket gets its own plan, no op is unknown to its policy, and a step of
+    each planned bucket (two micro-batches, with the run's optimizer) measures within budget."""
+    import logging
+
+    from adacc_hf.integrations.shapes import padded
+
+    model = assets.tiny_model("llama", seed=0, num_hidden_layers=4)
+    data = VariableLengths()
+    longest = pad_collate([data[1], data[1]])  # 2 x 64, the run's longest batch
+    static = estimate_static_memory(model, optimizer="adamw_torch_fused", mixed_precision="bf16")
+    prof = profile_model(model, longest, repeats=1, autocast=torch.bfloat16)
+    budget = budget_between(prof, static, 0.3, accumulation=2)
+    args = _args(
+        tmp_path,
+        budget,
+        bf16=True,
+        gradient_accumulation_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        train_sampling_strategy="group_by_length",
+        max_steps=6,
+        save_strategy="no",
+        per_device_eval_batch_size=2,
+    )
+    trainer = AdaccTrainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data, data_collator=pad_collate
+    )
+    with caplog.at_level(logging.WARNING, logger="adacc_hf"):
+        trainer.train()
+    session = trainer.adacc_session
+    assert "not in the policy" not in caplog.text
+    assert len(session.plans) >= 2  # several buckets, planned as they came
+    assert sum("eval_loss" in e for e in trainer.state.log_history) >= 2
+    planned = [e for e in trainer.state.log_history if "adacc/event_policy" in e]
+    assert len(planned) == len(session.plans)
+    opt = trainer.optimizer
+    model.train()
+    for key, plan in session.plans.items():
+        batch = padded(pad_collate([data[0], data[2]]), key, 0)
+        with apply_adacc(model, plan.policy):
+            peak = measure_step_peak(model, [batch, batch], opt, autocast=torch.bfloat16)
+        assert peak.peak_nbytes <= budget, (key, peak.peak_nbytes, budget)
+    session.close()

@@ -20,8 +20,9 @@ a step. Rules (per trainable parameter of ``n`` elements at ``e`` bytes each):
 The optimizer step's own temporaries (``optimizer_step``, alive only inside ``optimizer.step()``),
 as torch 2.13 and bitsandbytes 0.50 allocate them, measured per optimizer in the tests: on CPU,
 where torch's optimizers loop over parameters one at a time, a multiple of the largest trainable
-parameter (AdamW / Adagrad / RMSprop / Adafactor 2x: ``sqrt`` then a division; SGD 1x with weight
-decay; bitsandbytes 8-bit 5x and 32-bit Lion 3x on CPU); fused AdamW none. On CUDA torch's foreach
+parameter: AdamW / Adagrad / RMSprop 2-2.5x (``sqrt`` then a division), SGD 1x with weight
+decay, Adafactor 2-2.5x, bitsandbytes 8-bit 5-6.5x and 32-bit Lion 3-3.5x on CPU; fused AdamW
+none. Measurements varied within those ranges by model: the larger multiple is kept. On CUDA torch's foreach
 path computes the square roots of every parameter of a group at once: 1x the trainable bytes.
 
 Sharding over ``world_size``: ZeRO-1 divides optimizer states and master weights, ZeRO-2 also
@@ -163,10 +164,20 @@ def _unique_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 #: optimizer.step() temporaries on CPU, in units of the largest trainable parameter (see above).
-_STEP_LARGEST_CPU = {"param": 2, "fp32": 3, "8bit": 5, "factored": 2}
+_STEP_LARGEST_CPU = {"param": 2.5, "fp32": 3.5, "8bit": 6.5, "factored": 2.5}
+
+
+#: Scalars an optimizer step allocates whatever the model (step counts, bias corrections).
+_STEP_SCALARS = 1024
 
 
 def _step_nbytes(name: str, opt: _OptimizerModel, largest: int, trainable: int, cuda: bool) -> int:
+    return _STEP_SCALARS + _step_temporaries(name, opt, largest, trainable, cuda)
+
+
+def _step_temporaries(
+    name: str, opt: _OptimizerModel, largest: int, trainable: int, cuda: bool
+) -> int:
     n = name.lower()
     if n in ("sgd", "sgd_momentum"):
         return trainable if cuda else largest  # with weight decay: grad + wd * param
@@ -174,7 +185,7 @@ def _step_nbytes(name: str, opt: _OptimizerModel, largest: int, trainable: int, 
         return 0
     if cuda:
         return largest if opt.kind in ("8bit", "fp32", "factored") else trainable
-    return _STEP_LARGEST_CPU[opt.kind] * largest
+    return round(_STEP_LARGEST_CPU[opt.kind] * largest)
 
 
 def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel) -> int:

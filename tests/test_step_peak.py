@@ -1,0 +1,163 @@
+"""The step peak: its measurement against arithmetic, the static model's optimizer temporaries
+against measurement, `auto` budgets, mixed precision and masked attention scores."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import TrainingArguments
+
+from adacc_hf import assets, measure_step_peak, prepare, profile_model
+from adacc_hf.codecs import get_codec, relative_error
+from adacc_hf.runtime.peak import AllocationTracker, live_state_nbytes
+from adacc_hf.solver import budget as budget_mod
+from adacc_hf.solver import budget_between, estimate_static_memory, parse_budget, solve
+
+KiB = 1024
+
+
+class Allocates(torch.nn.Module):
+    """A model whose step allocates known sizes: forward keeps `a` (4 KiB) and a 2 KiB result, a
+    temporary of 8 KiB lives only inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(256))  # 1 KiB
+
+    def forward(self, x):
+        tmp = torch.ones(2048)  # 8 KiB, freed before forward returns
+        a = x * self.w.repeat(4)  # 4 KiB, saved for backward (by the mul below)
+        b = (a * a).sum() + tmp.sum() * 0
+        del tmp
+        return {"loss": b}
+
+
+def test_tracker_sees_every_allocation_and_free():
+    t = AllocationTracker()
+    with t:
+        x = torch.empty(1000, dtype=torch.uint8)
+        t.mark("a")
+        y = torch.empty(3000, dtype=torch.uint8)
+        del y
+        t.mark("b")
+        z = torch.empty(100, dtype=torch.uint8)
+    assert (t.level("a"), t.level("b"), t.peak("a", "b"), t.peak("b"), t.peak_nbytes) == (
+        1000,
+        1000,
+        4000,
+        1100,
+        4000,
+    )
+    del x, z
+
+
+def test_step_peak_is_the_baseline_plus_the_highest_allocation():
+    model = Allocates()
+    batch = {"x": torch.ones(1024)}  # 4 KiB
+    peak = measure_step_peak(model, batch)
+    assert peak.baseline_nbytes == 1 * KiB + 4 * KiB  # the parameter and the batch
+    # Forward holds the 8 KiB temporary next to `a` (4 KiB) and the repeated weight (4 KiB).
+    assert peak.phases["forward"] >= peak.baseline_nbytes + 16 * KiB
+    assert peak.peak_nbytes == max(peak.phases.values())
+
+
+@pytest.mark.parametrize(
+    "optim", ["adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_bnb_8bit"]
+)
+def test_static_model_predicts_the_optimizer_step(optim):
+    """Parameters + gradients + states + the optimizer's own temporaries (the static model)
+    against the optimizer phase of a measured step, with the Trainer's optimizer."""
+    if "bnb" in optim:
+        pytest.importorskip("bitsandbytes")
+    from transformers import Trainer
+
+    model = assets.tiny_model("llama")
+    batch = assets.tiny_batch("llama", model)
+    args = TrainingArguments(
+        output_dir="/tmp/adacc-opt", optim=optim, use_cpu=True, report_to="none", weight_decay=0.01
+    )
+    opt = Trainer(model=model, args=args).create_optimizer()
+    measure_step_peak(model, batch, opt)  # the states exist
+    measured = measure_step_peak(model, batch, opt).phases["optimizer"]
+    est = estimate_static_memory(model, optimizer=optim)
+    predicted = (
+        est.resident
+        + est.grads
+        + est.optimizer_step
+        + sum(v.numel() * v.element_size() for v in batch.values())
+    )
+    # Never below the measurement; above it by at most a few percent (rules keep the larger
+    # multiple where measurements differed).
+    assert measured <= predicted <= 1.05 * measured, (measured, predicted)
+
+
+def test_auto_budget_counts_the_resident_model_once(monkeypatch):
+    total, free = 8 * 2**30, 3 * 2**30
+    monkeypatch.setattr(budget_mod, "device_memory", lambda device=None: (total, free))
+    model = assets.tiny_model("llama")
+    resident = live_state_nbytes(model)
+    margin = budget_mod.auto_margin_nbytes(total)
+    assert parse_budget("auto", "cpu", resident) == free + resident - margin
+    assert parse_budget("auto", "cpu") == free - margin
+
+
+def test_masked_scores_are_judged_on_what_the_mask_leaves_visible():
+    scores = torch.randn(4, 4, 32, 32)
+    masked = scores.masked_fill(
+        torch.ones(32, 32, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min
+    )
+    codec = get_codec("int4_channel")
+    ruined = float(relative_error(masked, codec.decode(codec.encode(masked))))
+    plain = float(relative_error(scores, codec.decode(codec.encode(scores))))
+    assert plain < 0.2 < 0.5 < ruined  # the sentinels' column scales wipe out the visible scores
+
+
+def test_t5_masked_scores_are_never_compressed():
+    """T5's masked attention scores carry finfo.min: no codec is profiled for them, so no budget
+    makes the solver compress them, while the unmasked scores can be."""
+    model = assets.tiny_model("t5")
+    batch = assets.tiny_batch("t5", model, batch_size=4, seq_len=32)
+    codecs = ["int4_asym", "int4_channel", "int4_naive", "int4_outlier"]
+    prof = profile_model(model, batch, repeats=1, codecs=codecs)
+    masked = {
+        (g.name, o.key)
+        for g in prof.groups.values()
+        for o in g.ops
+        if o.layer_type == "attn_scores" and o.key.split("/")[1].startswith("add")
+    }
+    assert masked
+    for name, key in masked:
+        assert not next(o for o in prof.groups[name].ops if o.key == key).codecs
+    static = estimate_static_memory(model, optimizer="sgd")
+    for fraction in (0.1, 0.3, 0.6):
+        sol = solve(
+            prof, budget_between(prof, static, fraction), static_nbytes=static, codecs=codecs
+        )
+        for name, key in masked:
+            for v in sol.policy.groups[name].variants:
+                assert v.action(key).kind != "compress"
+
+
+def test_bf16_custom_loop_profiles_under_its_autocast(caplog):
+    """A custom loop with ``torch.autocast`` around the forward: the session sees the autocast
+    from its hook, profiles under it, and no op of the run is unknown to the policy."""
+    model = assets.tiny_model("llama")
+    batch = assets.tiny_batch("llama", model, batch_size=4, seq_len=32)
+    static = estimate_static_memory(model, optimizer="sgd", mixed_precision="bf16")
+    prof = profile_model(model, batch, repeats=1, autocast=torch.bfloat16)
+    session = prepare(model, budget_between(prof, static, 0.5), optimizer="sgd", adaptive=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with caplog.at_level(logging.WARNING, logger="adacc_hf"):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert session.autocast == torch.bfloat16
+    assert session.profile.autocast == str(torch.bfloat16)
+    assert not session.handle.unknown_ops and "not in the policy" not in caplog.text
+    assert any(o.dtype == "torch.bfloat16" for o in session.profile.groups["block"].ops)
+    session.close()
