@@ -81,7 +81,7 @@ def profile_codec(
         encode_ms=time_call(lambda: codec.encode(x), device, repeats),
         decode_ms=time_call(lambda: codec.decode(enc), device, repeats),
         rel_error=err,
-        n_outliers=int(enc.meta.get("n_outliers", 0)),
+        n_outliers=int(enc.meta.get("outlier_count", 0)),
     )
 
 

@@ -6,12 +6,15 @@ from collections.abc import Sequence
 
 import torch
 
-from . import dispatch
 from .base import (
     Codec,
     Encoded,
     as_rows_f32,
+    divisor,
+    flag_scale,
+    int4_markers,
     int4_nbytes,
+    int4_unmark,
     pack_int4,
     quantize_sym,
     register,
@@ -26,33 +29,41 @@ class Int4AsymCodec(Codec):
 
     float32 each; ``q = clamp(round_half_even((x - offset) / scale), -8, 7)`` (q = 0 where
     ``scale == 0``); decode ``q * scale + offset`` (multiply, then add; no FMA). Payload:
-    ``q`` packed nibbles of the [rows, C] codes, ``scale`` and ``offset`` float32 [rows].
+    ``q`` packed nibbles of the [rows, C] codes, ``scale`` and ``offset`` float32 [rows]. A row
+    holding inf / NaN (e.g. ``-inf`` masked scores) is flagged: min / max over its finite
+    elements, ``scale = (max - min) / 12`` with the sign bit set, markers for the rest (``base``).
     """
 
     name = "int4_asym"
     lossless = False
 
-    def encode(self, x: torch.Tensor) -> Encoded:
-        self._check_input(x)
-        if dispatch.use_kernel(x):
-            return dispatch.encode(self, x)
+    def _encode(self, x: torch.Tensor) -> tuple[dict, dict]:
         xf = as_rows_f32(x)
-        mn, mx = torch.aminmax(xf, dim=1)
+        finite = torch.isfinite(xf)
+        mx = torch.where(finite, xf, -torch.inf).amax(dim=1)
+        mn = torch.where(finite, xf, torch.inf).amin(dim=1)
+        any_finite = finite.any(dim=1)
+        mx, mn = torch.where(any_finite, mx, 0.0), torch.where(any_finite, mn, 0.0)
+        flag = ~finite.all(dim=1)
         offset = (mx + mn) / 2
-        scale = (mx - mn) / 16
-        q = pack_int4(quantize_sym(xf - offset.unsqueeze(1), scale.unsqueeze(1)))
-        tensors = {"q": q, "scale": scale.contiguous(), "offset": offset.contiguous()}
-        return Encoded(self.name, x.shape, x.dtype, tensors, {})
+        scale = (mx - mn) / divisor(flag, 16.0, 2 * 6.0)
+        xs = torch.where(finite, xf, offset.unsqueeze(1))
+        q = quantize_sym(xs - offset.unsqueeze(1), scale.unsqueeze(1))
+        q = torch.where(finite, q, int4_markers(xf))
+        tensors = {
+            "q": pack_int4(q),
+            "scale": flag_scale(scale, flag).contiguous(),
+            "offset": offset.contiguous(),
+        }
+        return tensors, {}
 
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        self._check_encoded(enc)
-        if dispatch.use_kernel(enc.device):
-            return dispatch.decode(self, enc)
+    def _decode(self, enc: Encoded) -> torch.Tensor:
         rows, channels = rows_channels(enc.shape)
         t = enc.tensors
-        q = unpack_int4(t["q"], rows * channels).reshape(rows, channels).to(torch.float32)
-        x = q * t["scale"].unsqueeze(1) + t["offset"].unsqueeze(1)
-        return x.to(enc.dtype).reshape(enc.shape)
+        q = unpack_int4(t["q"], rows * channels).reshape(rows, channels)
+        s = t["scale"].unsqueeze(1)
+        x = q.to(torch.float32) * s.abs() + t["offset"].unsqueeze(1)
+        return int4_unmark(x, q, torch.signbit(s)).to(enc.dtype)
 
     def predict_nbytes(
         self, shape: Sequence[int], dtype: torch.dtype, n_outlier_channels: int = 0
