@@ -120,6 +120,15 @@ def quantize_robust(x, scale, fin):
     return tl.where(fin, quantize_sym(tl.where(fin, x, 0.0), scale), int4_markers(x))
 
 
+FLT_MIN: tl.constexpr = 1.1754943508222875e-38  # a flagged segment's smallest scale
+
+
+@triton.jit
+def flagged_scale(scale, flag):
+    """A flagged segment's scale magnitude is at least FLT_MIN (markers times it stay inf)."""
+    return tl.where(flag & (scale == 0.0), FLT_MIN, scale)
+
+
 @triton.jit
 def with_sign(v, flag):
     """float32 ``v`` with the sign bit set where ``flag`` (``-0.0`` for 0; ``-v`` would give

@@ -23,6 +23,7 @@ from ._common import (
     cast_out,
     cdiv,
     check_rows_input,
+    flagged_scale,
     is_finite,
     num_warps,
     pow2,
@@ -78,6 +79,7 @@ def _fp8_encode_kernel(
     xs = tl.where(fin, x, 0.0)
     flag = rmax((~fin).to(tl.int32), 1) > 0
     scale = tl.math.div_rn(rmax(tl.abs(xs), 1), tl.where(flag, 224.0, 448.0))
+    scale = flagged_scale(scale, flag)
     soffs = rows.to(tl.int64) * NB + tl.program_id(1)
     tl.store(scale_ptr + soffs, with_sign(scale, flag), mask=rmask)
     zero = (scale == 0.0)[:, None]

@@ -31,6 +31,7 @@ from . import _common
 from ._common import (
     NO_FMA,
     cdiv,
+    flagged_scale,
     is_finite,
     num_warps,
     pack_nibbles,
@@ -156,7 +157,7 @@ def _seg_params(amax, mx, mn, bad, anyf, rmask, DIVISOR: tl.constexpr, ASYM: tl.
     else:
         offset = tl.full(amax.shape, 0, dtype=tl.float32)
         scale = tl.math.div_rn(amax, tl.where(flag, 6.0, DIVISOR))
-    return scale, offset, flag
+    return flagged_scale(scale, flag), offset, flag
 
 
 @triton.jit

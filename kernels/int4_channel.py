@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import NO_FMA, cdiv, check_rows_input, pow2, sign_set, with_sign
+from ._common import NO_FMA, cdiv, check_rows_input, flagged_scale, pow2, sign_set, with_sign
 from ._triton import check_launchable
 from .int4 import SCALE_CHANNEL, launch_colpartial, launch_quant
 from .int4_decode import launch_dequant
@@ -31,7 +31,7 @@ def _colmax_scale_kernel(part_ptr, scale_ptr, nrb, C, BLOCK_C: tl.constexpr):
         acc = tl.maximum(acc, tl.abs(p))
         bad = tl.maximum(bad, sign_set(p).to(tl.int32))
     flag = bad > 0
-    scale = tl.math.div_rn(acc, tl.where(flag, 6.0, 8.0))
+    scale = flagged_scale(tl.math.div_rn(acc, tl.where(flag, 6.0, 8.0)), flag)
     tl.store(scale_ptr + cols, with_sign(scale, flag), mask=m)
 
 

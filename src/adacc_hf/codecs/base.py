@@ -18,9 +18,10 @@ Conventions shared by every codec (the Triton kernels must follow them bit for b
 * Non-finite inputs are encoded robustly, at the same size and without a host sync: every
   *segment* (the elements that share one scale) takes its statistics over its finite elements
   only. A segment holding an inf or NaN is *flagged*: its float32 scale is stored with the sign
-  bit set (``-0.0`` for a zero scale), its finite elements are quantised onto codes [-6, 6]
-  (INT4: ``absmax / 6``, or ``(max - min) / 12`` for the asymmetric codec; FP8: ``absmax / 224``)
-  and the freed codes mark the non-finite ones: INT4 ``-8`` = -inf, ``7`` = +inf, ``-7`` = NaN;
+  bit set, its finite elements are quantised onto codes [-6, 6] (INT4: ``absmax / 6``, or
+  ``(max - min) / 12`` for the asymmetric codec; FP8: ``absmax / 224``; a zero scale becomes
+  ``FLT_MIN``, so markers times the scale stay infinite) and the freed codes mark the non-finite
+  ones: INT4 ``-8`` = -inf, ``7`` = +inf, ``-7`` = NaN;
   FP8 ``-448`` = -inf, ``+448`` = +inf, NaN = NaN. Decoding restores them exactly (e.g. the
   ``-inf`` of a masked attention score). Finite inputs give exactly the payloads they always did.
 
@@ -32,6 +33,7 @@ nibble of byte ``i`` and element ``2i + 1`` to the HIGH nibble. An odd count is 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Sequence
@@ -140,7 +142,7 @@ class Codec:
         if dispatch.use_kernel(enc.device):
             y = dispatch.decode(self, enc, out_m)
         else:
-            y = self._decode(enc).reshape(enc.stored_shape)
+            y = self._decode(enc).contiguous().reshape(enc.stored_shape)
             if out_m is not None:
                 y = out_m.copy_(y)
         if out is not None:
@@ -275,43 +277,64 @@ def int4_nbytes(numel: int) -> int:
 
 # -- non-finite handling (see the module docstring) ---------------------------------------
 
-
-def divisor(flag: torch.Tensor, normal: float, flagged: float = FLAGGED_LEVELS) -> torch.Tensor:
-    """Per-segment float32 divisor: ``flagged`` where the segment holds non-finite values. A
-    device tensor, so the division is IEEE on CUDA too (not a multiply by a reciprocal)."""
-    return torch.where(flag, flagged, normal).to(torch.float32)
+FLT_MIN = torch.finfo(torch.float32).tiny  # a flagged segment's smallest scale magnitude
 
 
-def flag_scale(scale: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-    """``scale`` with the sign bit set where ``flag`` (``-0.0`` for a zero scale)."""
-    return torch.where(flag, torch.copysign(scale, torch.full_like(scale, -1.0)), scale)
+def finite_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Max of ``|x|`` over the finite elements along ``dim`` (0 where there are none)."""
+    return x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(dim=dim)
 
 
-def int4_markers(x: torch.Tensor) -> torch.Tensor:
-    """int8 marker codes of non-finite values: -inf -> -8, +inf -> 7, NaN -> -7."""
-    return torch.where(
-        torch.isnan(x),
-        MARK_NAN,
-        torch.where(x > 0, MARK_POS_INF, MARK_NEG_INF),
-    ).to(torch.int8)
+def nonfinite_any(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Whether each segment along ``dim`` holds an inf or NaN (it is then flagged)."""
+    return ~torch.isfinite(x).all(dim=dim)
 
 
-def int4_unmark(y: torch.Tensor, q: torch.Tensor, flagged: torch.Tensor) -> torch.Tensor:
-    """Float32 values ``y`` of codes ``q`` with the markers of flagged segments restored."""
-    y = torch.where(flagged & (q == MARK_NEG_INF), -math.inf, y)
-    y = torch.where(flagged & (q == MARK_POS_INF), math.inf, y)
-    return torch.where(flagged & (q == MARK_NAN), math.nan, y)
+def flagged_scale(
+    spread: torch.Tensor, flag: torch.Tensor, normal: float, flagged: float = FLAGGED_LEVELS
+) -> torch.Tensor:
+    """Per-segment float32 scale ``spread / normal`` (``spread / flagged``, at least FLT_MIN, with
+    the sign bit set, where ``flag``). The divisor is a device tensor, so the division is IEEE
+    on CUDA too (not a multiply by a reciprocal)."""
+    scale = spread / torch.where(flag, flagged, normal).to(torch.float32)
+    scale = torch.where(flag & (scale == 0), FLT_MIN, scale)
+    return torch.where(flag, -scale, scale)
 
 
 def quantize_sym(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``clamp(round_half_even(x / scale), -8, 7)`` as int8; where ``scale == 0``, q = 0.
+    """``clamp(round_half_even(x / scale), -8, 7)`` as int8 (``scale`` >= 0, broadcastable).
 
-    ``x`` float32 (finite), ``scale`` float32 (>= 0) broadcastable to ``x``.
+    A zero scale divides by 1 (its finite elements are all 0). Non-finite ``x`` become their
+    markers on the way: -inf and +inf clamp to -8 and 7, NaN becomes -7.
     """
-    zero = scale == 0
-    q = torch.round(x / torch.where(zero, torch.ones_like(scale), scale))
-    q = torch.where(zero, torch.zeros_like(q), q)
-    return q.clamp_(-8, 7).to(torch.int8)
+    q = torch.round(x / torch.where(scale == 0, 1.0, scale))
+    return q.clamp_(-8, 7).nan_to_num_(float(MARK_NAN)).to(torch.int8)
+
+
+@functools.cache
+def _code_values(device: torch.device) -> torch.Tensor:
+    """float32 [32]: the value of nibble ``n`` (``n - 8``), then of nibble ``n`` in a flagged
+    segment (markers: -inf, NaN, +inf)."""
+    flagged = [float(c) for c in range(-8, 8)]
+    flagged[0], flagged[1], flagged[15] = -math.inf, math.nan, math.inf
+    return torch.tensor([float(c) for c in range(-8, 8)] + flagged, device=device)
+
+
+def int4_values(nib: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """float32 code values of uint8 nibbles ``nib``; ``flag`` (broadcastable) marks flagged
+    segments, whose marker codes become -inf / NaN / +inf (times any finite scale)."""
+    idx = nib.to(torch.int32) + (flag.to(torch.int32) << 4)
+    return _code_values(nib.device).index_select(0, idx.reshape(-1)).reshape(idx.shape)
+
+
+def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` nibbles (``q + 8``, uint8) of packed INT4 codes, flat."""
+    if packed.dtype != torch.uint8 or packed.numel() != (numel + 1) // 2:
+        raise CodecError(
+            f"unpack_int4: expected {(numel + 1) // 2} uint8 bytes, "
+            f"got {packed.numel()} x {packed.dtype}"
+        )
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(-1)[:numel]
 
 
 def quantize_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,12 +349,10 @@ def quantize_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     if padded != channels:
         x = torch.nn.functional.pad(x, (0, padded - channels))
     xg = x.reshape(rows, padded // group, group)
-    finite = torch.isfinite(xg)
-    xs = torch.where(finite, xg, 0.0)
-    flag = ~finite.all(dim=-1)
-    scale = xs.abs().amax(dim=-1) / divisor(flag, 7.0)
-    q = torch.where(finite, quantize_sym(xs, scale.unsqueeze(-1)), int4_markers(xg))
-    return pack_int4(q), flag_scale(scale, flag).contiguous()
+    flag = nonfinite_any(xg, -1)
+    scale = flagged_scale(finite_absmax(xg, -1), flag, 7.0)
+    q = quantize_sym(xg, scale.abs().unsqueeze(-1))
+    return pack_int4(q), scale.contiguous()
 
 
 def dequantize_groups(
@@ -340,9 +361,9 @@ def dequantize_groups(
     """Inverse of :func:`quantize_groups`: float32 [rows, channels] = q * |scale|."""
     rows, n_groups = scale.shape
     group, padded = group_layout(channels, group_size)
-    q = unpack_int4(packed, rows * padded).reshape(rows, n_groups, group)
+    nib = unpack_nibbles(packed, rows * padded).reshape(rows, n_groups, group)
     s = scale.unsqueeze(-1)
-    x = int4_unmark(q.to(torch.float32) * s.abs(), q, torch.signbit(s))
+    x = int4_values(nib, torch.signbit(s)) * s.abs()
     return x.reshape(rows, padded)[:, :channels]
 
 

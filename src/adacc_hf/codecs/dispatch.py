@@ -38,14 +38,15 @@ import functools
 import math
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import AdaccError
 
-if TYPE_CHECKING:
-    from .base import Codec, Encoded
+# Codecs and payloads are passed in by ``codecs.base`` (which imports this module): here they
+# are duck-typed, so this module imports nothing from it.
+Codec = Encoded = Any
 
 __all__ = [
     "ENV_VAR",

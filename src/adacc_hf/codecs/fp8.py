@@ -6,16 +6,36 @@ accurate than INT4); the reference runs anywhere torch has ``torch.float8_e4m3fn
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
 import torch
 
-from .base import Codec, Encoded, as_rows_f32, divisor, flag_scale, register, rows_channels
+from .base import (
+    Codec,
+    Encoded,
+    as_rows_f32,
+    finite_absmax,
+    flagged_scale,
+    nonfinite_any,
+    register,
+    rows_channels,
+)
 
 BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_FLAGGED_MAX = 224.0  # finite values of a flagged block stay below the marker codes
+
+
+@functools.cache
+def _code_values(device: torch.device) -> torch.Tensor:
+    """float32 [512]: the value of each e4m3fn byte, then the same in a flagged block, where the
+    +-448 codes mean +-inf."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    values = values.to(torch.float32)
+    flagged = torch.where(values.abs() == FP8_MAX, values * math.inf, values)
+    return torch.cat([values, flagged]).to(device)
 
 
 @register
@@ -37,27 +57,27 @@ class Fp8E4m3Codec(Codec):
         n_blocks = -(-channels // BLOCK)
         xf = torch.nn.functional.pad(as_rows_f32(x), (0, n_blocks * BLOCK - channels))
         xb = xf.reshape(rows, n_blocks, BLOCK)
-        finite = torch.isfinite(xb)
-        xs = torch.where(finite, xb, 0.0)
-        flag = ~finite.all(dim=-1)
-        scale = xs.abs().amax(dim=-1) / divisor(flag, FP8_MAX, FP8_FLAGGED_MAX)
-        s = scale.unsqueeze(-1)
-        zero = s == 0
-        y = torch.where(zero, torch.zeros_like(xs), xs / torch.where(zero, torch.ones_like(s), s))
-        y = y.clamp_(-FP8_MAX, FP8_MAX)
-        marks = torch.where(torch.isnan(xb), math.nan, torch.where(xb > 0, FP8_MAX, -FP8_MAX))
-        q = torch.where(finite, y, marks).to(torch.float8_e4m3fn).reshape(rows, -1)
-        q = q[:, :channels].contiguous()
-        return {"q": q, "scale": flag_scale(scale, flag).contiguous()}, {}
+        flag = nonfinite_any(xb, -1)
+        scale = flagged_scale(finite_absmax(xb, -1), flag, FP8_MAX, FP8_FLAGGED_MAX)
+        s = scale.abs().unsqueeze(-1)
+        # a zero scale divides by 1 (its finite elements are 0); +-inf clamp to the +-448
+        # markers, NaN stays NaN
+        y = (xb / torch.where(s == 0, 1.0, s)).clamp_(-FP8_MAX, FP8_MAX)
+        q = y.to(torch.float8_e4m3fn).reshape(rows, -1)[:, :channels].contiguous()
+        return {"q": q, "scale": scale.contiguous()}, {}
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
-        _, channels = rows_channels(enc.shape)
-        s = enc.tensors["scale"].repeat_interleave(BLOCK, dim=1)[:, :channels]
-        qf = enc.tensors["q"].to(torch.float32)
-        x = qf * s.abs()
-        flagged = torch.signbit(s)
-        x = torch.where(flagged & (qf == FP8_MAX), math.inf, x)
-        x = torch.where(flagged & (qf == -FP8_MAX), -math.inf, x)
+        rows, channels = rows_channels(enc.shape)
+        n_blocks = enc.tensors["scale"].shape[1]
+        q = torch.nn.functional.pad(
+            enc.tensors["q"].view(torch.uint8), (0, n_blocks * BLOCK - channels)
+        )
+        s = enc.tensors["scale"].unsqueeze(-1)
+        idx = q.reshape(rows, n_blocks, BLOCK).to(torch.int32) + (
+            torch.signbit(s).to(torch.int32) << 8
+        )
+        values = _code_values(q.device).index_select(0, idx.reshape(-1)).reshape(idx.shape)
+        x = (values * s.abs()).reshape(rows, -1)[:, :channels]
         return x.to(enc.dtype)
 
     def predict_nbytes(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -10,16 +11,15 @@ from .base import (
     Codec,
     Encoded,
     as_rows_f32,
-    divisor,
-    flag_scale,
-    int4_markers,
+    flagged_scale,
     int4_nbytes,
-    int4_unmark,
+    int4_values,
+    nonfinite_any,
     pack_int4,
     quantize_sym,
     register,
     rows_channels,
-    unpack_int4,
+    unpack_nibbles,
 )
 
 
@@ -39,31 +39,24 @@ class Int4AsymCodec(Codec):
 
     def _encode(self, x: torch.Tensor) -> tuple[dict, dict]:
         xf = as_rows_f32(x)
-        finite = torch.isfinite(xf)
-        mx = torch.where(finite, xf, -torch.inf).amax(dim=1)
-        mn = torch.where(finite, xf, torch.inf).amin(dim=1)
-        any_finite = finite.any(dim=1)
-        mx, mn = torch.where(any_finite, mx, 0.0), torch.where(any_finite, mn, 0.0)
-        flag = ~finite.all(dim=1)
+        flag = nonfinite_any(xf, 1)
+        mx = xf.nan_to_num(nan=-math.inf, posinf=-math.inf).amax(dim=1)
+        mn = xf.nan_to_num(nan=math.inf, neginf=math.inf).amin(dim=1)
+        some = mx >= mn  # the row has a finite element
+        mx, mn = torch.where(some, mx, 0.0), torch.where(some, mn, 0.0)
         offset = (mx + mn) / 2
-        scale = (mx - mn) / divisor(flag, 16.0, 2 * 6.0)
-        xs = torch.where(finite, xf, offset.unsqueeze(1))
-        q = quantize_sym(xs - offset.unsqueeze(1), scale.unsqueeze(1))
-        q = torch.where(finite, q, int4_markers(xf))
-        tensors = {
-            "q": pack_int4(q),
-            "scale": flag_scale(scale, flag).contiguous(),
-            "offset": offset.contiguous(),
-        }
+        scale = flagged_scale(mx - mn, flag, 16.0, 12.0)
+        q = quantize_sym(xf - offset.unsqueeze(1), scale.abs().unsqueeze(1))
+        tensors = {"q": pack_int4(q), "scale": scale.contiguous(), "offset": offset.contiguous()}
         return tensors, {}
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
         rows, channels = rows_channels(enc.shape)
         t = enc.tensors
-        q = unpack_int4(t["q"], rows * channels).reshape(rows, channels)
+        nib = unpack_nibbles(t["q"], rows * channels).reshape(rows, channels)
         s = t["scale"].unsqueeze(1)
-        x = q.to(torch.float32) * s.abs() + t["offset"].unsqueeze(1)
-        return int4_unmark(x, q, torch.signbit(s)).to(enc.dtype)
+        x = int4_values(nib, torch.signbit(s)) * s.abs() + t["offset"].unsqueeze(1)
+        return x.to(enc.dtype)
 
     def predict_nbytes(
         self, shape: Sequence[int], dtype: torch.dtype, n_outlier_channels: int = 0

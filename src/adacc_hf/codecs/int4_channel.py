@@ -10,16 +10,16 @@ from .base import (
     Codec,
     Encoded,
     as_rows_f32,
-    divisor,
-    flag_scale,
-    int4_markers,
+    finite_absmax,
+    flagged_scale,
     int4_nbytes,
-    int4_unmark,
+    int4_values,
+    nonfinite_any,
     pack_int4,
     quantize_sym,
     register,
     rows_channels,
-    unpack_int4,
+    unpack_nibbles,
 )
 
 
@@ -38,19 +38,16 @@ class Int4ChannelCodec(Codec):
 
     def _encode(self, x: torch.Tensor) -> tuple[dict, dict]:
         xf = as_rows_f32(x)
-        finite = torch.isfinite(xf)
-        xs = torch.where(finite, xf, 0.0)
-        flag = ~finite.all(dim=0)
-        scale = xs.abs().amax(dim=0) / divisor(flag, 8.0)
-        q = torch.where(finite, quantize_sym(xs, scale), int4_markers(xf))
-        return {"q": pack_int4(q), "scale": flag_scale(scale, flag).contiguous()}, {}
+        flag = nonfinite_any(xf, 0)
+        scale = flagged_scale(finite_absmax(xf, 0), flag, 8.0)
+        q = quantize_sym(xf, scale.abs())
+        return {"q": pack_int4(q), "scale": scale.contiguous()}, {}
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
         rows, channels = rows_channels(enc.shape)
-        q = unpack_int4(enc.tensors["q"], rows * channels).reshape(rows, channels)
+        nib = unpack_nibbles(enc.tensors["q"], rows * channels).reshape(rows, channels)
         s = enc.tensors["scale"]
-        x = int4_unmark(q.to(torch.float32) * s.abs(), q, torch.signbit(s))
-        return x.to(enc.dtype)
+        return (int4_values(nib, torch.signbit(s)) * s.abs()).to(enc.dtype)
 
     def predict_nbytes(
         self, shape: Sequence[int], dtype: torch.dtype, n_outlier_channels: int = 0

@@ -29,7 +29,7 @@ def channel_zscores(x: torch.Tensor) -> torch.Tensor:
     ``s_c = sum_rows |x[:, c]|`` over finite elements, ``z_c = (s_c - mean(s)) / std(s)``
     (population std); ``-inf`` everywhere when std == 0 (no outliers). No host sync.
     """
-    s = torch.where(torch.isfinite(x), x.abs(), 0.0).sum(dim=0)
+    s = x.abs().nan_to_num_(0.0, 0.0, 0.0).sum(dim=0)
     std, mean = torch.std_mean(s, correction=0)
     ok = std > 0
     z = (s - mean) / torch.where(ok, std, 1.0)
@@ -42,6 +42,22 @@ def channel_slots(idx: torch.Tensor, channels: int) -> torch.Tensor:
     target = torch.where(idx >= 0, idx.long(), channels)
     slots.scatter_(0, target, torch.arange(idx.numel(), device=idx.device))
     return slots[:channels]
+
+
+def _scatter_plan(
+    idx: torch.Tensor, values: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target channels, source columns) that put the exact outlier values into ``x`` with one
+    fixed-size ``index_copy_``: unused slots repeat the last used slot's write (or rewrite
+    channel 0 with its own value when no slot is used), so duplicates write equal values."""
+    k = idx.numel()
+    used = idx >= 0
+    last = (used.sum() - 1).clamp(min=0)
+    j = torch.where(used, torch.arange(k, device=idx.device), last)
+    target = idx.index_select(0, j).clamp(min=0).long()
+    src = values.index_select(1, j)
+    src = torch.where(used.any(), src, x[:, :1].expand_as(src))
+    return target, src
 
 
 def select_outlier_channels(
@@ -103,12 +119,10 @@ class Int4OutlierCodec(Codec):
         rows, channels = rows_channels(x.shape)
         xf = as_rows_f32(x)
         idx, count = select_outlier_channels(xf, self.zscore_threshold, self.capacity(channels))
-        x2 = x.reshape(rows, channels)
-        used = idx >= 0
-        values = x2.index_select(1, idx.clamp(min=0).long())
-        values = torch.where(used, values, torch.zeros((), dtype=x.dtype, device=x.device))
+        values = x.reshape(rows, channels).index_select(1, idx.clamp(min=0).long())
+        values.masked_fill_(idx < 0, 0)
         if idx.numel():
-            xf = torch.where(channel_slots(idx, channels) >= 0, 0.0, xf)
+            xf = xf.masked_fill(channel_slots(idx, channels) >= 0, 0.0)
         q, scale = quantize_groups(xf, self.group_size)
         tensors = {
             "q": q,
@@ -124,9 +138,9 @@ class Int4OutlierCodec(Codec):
         x = dequantize_groups(t["q"], t["scale"], channels, self.group_size).to(enc.dtype)
         idx = t["outlier_idx"]
         if idx.numel():
-            slots = channel_slots(idx, channels)
-            exact = t["outlier_values"].index_select(1, slots.clamp(min=0))
-            x = torch.where(slots >= 0, exact, x)
+            x = x.contiguous()
+            target, src = _scatter_plan(idx, t["outlier_values"], x)
+            x.index_copy_(1, target, src)
         return x
 
     def predict_nbytes(
