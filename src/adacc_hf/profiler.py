@@ -24,7 +24,7 @@ from .codecs import Codec, get_codec, payload_finite, relative_error
 from .policy import Policy
 from .runtime import apply_adacc
 from .runtime.memory import activation_memory_report
-from .runtime.ops import storage_id, tensor_outputs
+from .runtime.ops import cache_target, storage_id, tensor_outputs
 from .runtime.timing import elapsed_ms, sync, time_call, timer_for
 from .runtime.trace import (
     devices_of,
@@ -149,7 +149,7 @@ def profile_model(
             )
             if op.cacheable and tensors:
                 for codec in candidate_codecs(op, allowed, codec_params):
-                    cp = profile_codec(codec, tensors[0], device)
+                    cp = profile_codec(codec, cache_target(op.mask, raw), device)
                     if cp is not None:
                         prof.codecs[codec.name] = cp
             op_profiles.append(prof)
