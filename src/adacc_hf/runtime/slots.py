@@ -85,9 +85,11 @@ def matches(spec: OpSpec, seen: Observed) -> bool:
 
 
 def _describe(spec: OpSpec | None, seen: Observed | None) -> str:
-    want = f"{spec.key} ({spec.aten or '?'}, {spec.dtype}, rank {spec.shape_class or '?'})"
+    want = "nothing"
+    if spec is not None:
+        want = f"{spec.key} ({spec.aten or '?'}, {spec.dtype}, rank {spec.shape_class or '?'})"
     got = f"{seen.key} ({seen.func}, {seen.dtype}, rank {seen.ranks})" if seen else "nothing"
-    return f"the policy has {want if spec else 'nothing'}, the block ran {got}"
+    return f"the policy has {want}, the block ran {got}"
 
 
 def misaligned_regions(specs: list[OpSpec], seen: list[Observed]) -> dict[str, str]:
