@@ -92,6 +92,26 @@ def test_hf_gradient_checkpointing_already_on_is_refused(tiny):
     apply_adacc(model, policy).remove()
 
 
+def test_torch_compile_is_refused_with_a_clear_error(tiny):
+    """Compiled before adacc: refused at apply time. Compiled after: the first forward raises
+    (dynamo would otherwise fall back to running the blocks eagerly, silently)."""
+    model, batch = tiny
+    policy = uniform_policy(model, "compress", batch)
+    with pytest.raises(AdaccError, match="torch.compile.*docs/compile.md"):
+        apply_adacc(torch.compile(model, backend="eager"), policy)
+    with apply_adacc(model, policy):
+        compiled = torch.compile(model, backend="eager")
+        with pytest.raises(AdaccError, match="torch.compile"):
+            compiled(**batch)
+        step(model, batch)  # the uncompiled model still trains
+    model.compile(backend="eager")
+    try:
+        with pytest.raises(AdaccError, match="torch.compile"):
+            apply_adacc(model, policy)
+    finally:
+        model._compiled_call_impl = None
+
+
 def test_unsupported_model_names_the_supported_families():
     from transformers import OPTConfig, OPTForCausalLM
 

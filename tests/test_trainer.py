@@ -239,6 +239,8 @@ def test_arguments_from_the_command_line_and_bad_combinations(tmp_path):
     assert listed.adacc_codecs == ["int4_outlier", "bitpack"]
     with pytest.raises(AdaccError, match="replaces activation checkpointing"):
         AdaccTrainingArguments(output_dir=str(tmp_path), adacc=True, gradient_checkpointing=True)
+    with pytest.raises(AdaccError, match="torch_compile.*docs/compile.md"):
+        AdaccTrainingArguments(output_dir=str(tmp_path), adacc=True, torch_compile=True)
     with pytest.raises(AdaccError, match="adacc_memory_budget"):
         AdaccTrainingArguments(
             output_dir=str(tmp_path), adacc=True, adacc_memory_budget="20 parsecs"

@@ -39,6 +39,7 @@ class AdaccHandle:
                     (block, {a: block.__dict__[a] for a in _ATTRS if a in block.__dict__})
                 )
                 rt = BlockRuntime(block, path, group.name, gp, variant, warned)
+                rt.root = self.model
                 self.runtimes[path] = rt
                 block.gradient_checkpointing = True
                 block._gradient_checkpointing_func = rt

@@ -17,6 +17,7 @@ kept as it is at that first use, and replay skips the fills. Nothing here waits 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -60,6 +61,17 @@ _COMPILE_MSG = (
 )
 
 
+def _under_compile(root: Any) -> bool:
+    """Whether this call comes from ``torch.compile``: dynamo tracing it, an eager fallback
+    inside a compiled module (``torch.compile(model)``), or ``model.compile()``."""
+    if torch.compiler.is_compiling():
+        return True
+    ef = sys.modules.get("torch._dynamo.eval_frame")
+    if ef is not None and getattr(ef, "_is_in_optimized_module", lambda: False)():
+        return True
+    return getattr(root, "_compiled_call_impl", None) is not None
+
+
 class BlockRuntime:
     """Runs one block under one variant of its group's policy; installed as its checkpoint fn."""
 
@@ -73,6 +85,7 @@ class BlockRuntime:
         warned: set,
     ) -> None:
         self.block = block
+        self.root: Any = None  # the patched model (set by apply): compiled later -> an error
         self.path = path
         self.group = group
         self.specs: list = []
@@ -112,7 +125,7 @@ class BlockRuntime:
         self._tables.clear()
 
     def __call__(self, fn, *args):
-        if torch.compiler.is_compiling():
+        if _under_compile(self.root):
             raise AdaccError(_COMPILE_MSG)
         tracking = self.tracker is not None
         sig = (self._vkey, call_signature(fn, args)) if self.keeps_any or tracking else None
