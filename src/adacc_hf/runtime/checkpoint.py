@@ -17,6 +17,7 @@ kept as it is at that first use, and replay skips the fills. Nothing here waits 
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
 from typing import Any
 
@@ -30,6 +31,7 @@ from ..errors import AdaccError
 from ..schema import Action, GroupPolicy, Variant
 from .kept import Entry, keep, unpack
 from .ops import (
+    _KINDS,
     KEYED,
     MUTABLE,
     OpKeyer,
@@ -51,8 +53,10 @@ from .slots import (
     matches,
     observe,
 )
+from .timing import time_call
 
 logger = logging.getLogger("adacc_hf")
+_grad_enabled = torch.is_grad_enabled
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _COMPILE_MSG = (
     "adacc does not run under torch.compile (its per-op runtime is a pair of Python dispatch "
@@ -192,7 +196,17 @@ class _Run:
             )
 
 
-class _KeepMode(TorchDispatchMode):
+class _FastMode(TorchDispatchMode):
+    """A dispatch mode without torch's per-op ``_disable_dynamo`` wrapper (``set_eval_frame``
+    twice per op, about half the crossing's cost). Safe here: adacc refuses torch.compile, and
+    nothing under these modes compiles."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class _KeepMode(_FastMode):
     """Forward: keep what the slot table says; build the table on its first forward."""
 
     def __init__(self, run: _Run) -> None:
@@ -231,15 +245,18 @@ class _KeepMode(TorchDispatchMode):
         return res
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        kind = op_kind(func)
+        # The hot path: one op call, one dict lookup, then out for most ops.
+        out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = op_kind(func)
         if kind == MUTABLE:
             if self.pending:
                 self._filled(func, args, kwargs)
             return out
         if self.pending:
             self._read(args)
-        if kind != KEYED or not keyed_now(args, kwargs):
+        if kind != KEYED or not (_grad_enabled() or keyed_now(args, kwargs)):
             return out
         pos = self.pos
         self.pos = pos + 1
@@ -302,7 +319,7 @@ class _KeepMode(TorchDispatchMode):
         return make_slot(func, key, spec, rt.actions.get(key), rt.codec)
 
 
-class _ReplayMode(TorchDispatchMode):
+class _ReplayMode(_FastMode):
     """Recompute: hand kept outputs back instead of running their ops; skip the fills of kept
     filled tensors, restoring the RNG as each fill left it."""
 
@@ -313,8 +330,10 @@ class _ReplayMode(TorchDispatchMode):
         self.skip: dict[int, list] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = op_kind(func)
-        if kind == KEYED and self.run.store and keyed_now(args, kwargs):
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = op_kind(func)
+        if kind == KEYED and self.run.store and (_grad_enabled() or keyed_now(args, kwargs)):
             pos = self.pos
             self.pos = pos + 1
             e = self.run.store.pop(pos, None)
@@ -342,4 +361,28 @@ class _ReplayMode(TorchDispatchMode):
                     if not fills:
                         del self.skip[t.data_ptr()]
                     return t  # the fill happened in forward: the kept tensor is its result
-        return func(*args, **kwargs) if kwargs else func(*args)
+        return func._op(*args, **kwargs) if kwargs else func._op(*args)
+
+
+def dispatch_overhead_ms(
+    block: nn.Module, fn: Any, args: tuple, gp: GroupPolicy, device: Any, repeats: int = 5
+) -> float:
+    """Measured runtime overhead of one checkpointed block that keeps some op: the block's
+    forward under the forward dispatch mode (on a built slot table that keeps nothing) minus the
+    plain forward, interleaved, median, doubled (recompute crosses the replay mode the same way).
+    What the cost model adds per such block (`GroupProfile.dispatch_ms`)."""
+    rt = BlockRuntime(block, "profile", "", gp, Variant(1, True, {}), set())
+    build = _Run(rt, None)
+    with _KeepMode(build):
+        fn(*args)
+    table = build.built
+
+    def keep() -> None:
+        with _KeepMode(_Run(rt, table)):
+            fn(*args)
+
+    diffs = []
+    for _ in range(max(1, repeats)):
+        t_plain = time_call(lambda: fn(*args), device, 1)
+        diffs.append(time_call(keep, device, 1) - t_plain)
+    return max(0.0, 2.0 * statistics.median(diffs))
