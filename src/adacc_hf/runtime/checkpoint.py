@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -369,8 +370,12 @@ def dispatch_overhead_ms(
 ) -> float:
     """Measured runtime overhead of one checkpointed block that keeps some op: the block's
     forward under the forward dispatch mode (on a built slot table that keeps nothing) minus the
-    plain forward, interleaved, median, doubled (recompute crosses the replay mode the same way).
-    What the cost model adds per such block (`GroupProfile.dispatch_ms`)."""
+    plain forward, interleaved pairs, median, doubled (recompute crosses the replay mode the same
+    way). What the cost model adds per such block (`GroupProfile.dispatch_ms`).
+
+    The overhead is Python work on the calling thread: on CPU it is timed with that thread's CPU
+    clock (other processes on a shared machine do not inflate it); on CUDA with synchronised wall
+    time (host overhead the device hides costs nothing there)."""
     rt = BlockRuntime(block, "profile", "", gp, Variant(1, True, {}), set())
     build = _Run(rt, None)
     with _KeepMode(build):
@@ -381,8 +386,18 @@ def dispatch_overhead_ms(
         with _KeepMode(_Run(rt, table)):
             fn(*args)
 
+    def plain() -> None:
+        fn(*args)
+
+    cuda = torch.device(device).type == "cuda"
     diffs = []
-    for _ in range(max(1, repeats)):
-        t_plain = time_call(lambda: fn(*args), device, 1)
-        diffs.append(time_call(keep, device, 1) - t_plain)
+    for _ in range(max(5, repeats) | 1):
+        if cuda:
+            diffs.append(time_call(keep, device, 1) - time_call(plain, device, 1))
+            continue
+        t0 = time.thread_time()
+        plain()
+        t1 = time.thread_time()
+        keep()
+        diffs.append((time.thread_time() - t1 - (t1 - t0)) * 1e3)
     return max(0.0, 2.0 * statistics.median(diffs))
