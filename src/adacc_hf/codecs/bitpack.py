@@ -18,7 +18,8 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     if pad:
         b = torch.cat([b, b.new_zeros(pad)])
     w = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=b.device)
-    return (b.reshape(-1, 8) * w).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+    # at most 255 per byte: the sum fits uint8 (and the payload comes from a plain aten op)
+    return (b.reshape(-1, 8) * w).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:

@@ -63,7 +63,9 @@ class Fp8E4m3Codec(Codec):
         # a zero scale divides by 1 (its finite elements are 0); +-inf clamp to the +-448
         # markers, NaN stays NaN
         y = (xb / torch.where(s == 0, 1.0, s)).clamp_(-FP8_MAX, FP8_MAX)
-        q = y.to(torch.float8_e4m3fn).reshape(rows, -1)[:, :channels].contiguous()
+        q = torch.ops.aten._to_copy.default(y, dtype=torch.float8_e4m3fn).reshape(rows, -1)
+        if n_blocks * BLOCK != channels:
+            q = q[:, :channels].clone(memory_format=torch.contiguous_format)
         return {"q": q, "scale": scale.contiguous()}, {}
 
     def _decode(self, enc: Encoded) -> torch.Tensor:

@@ -160,7 +160,9 @@ class BlockRuntime:
         return out
 
     def warn(self, what: str, detail: str) -> None:
-        self.problems.append(f"{self.path}: {detail}")
+        line = f"{self.path}: {detail}"
+        if line not in self.problems:  # a long run repeats its problems: list each once
+            self.problems.append(line)
         if what not in self._warned:
             self._warned.add(what)
             logger.warning("adacc: block %s: %s", self.path, detail)
