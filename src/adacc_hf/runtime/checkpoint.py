@@ -58,7 +58,7 @@ from .timing import time_call
 
 logger = logging.getLogger("adacc_hf")
 _grad_enabled = torch.is_grad_enabled
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+MAX_TABLES = 64  # slot tables kept per block (one per variant and call signature), oldest out
 _COMPILE_MSG = (
     "adacc does not run under torch.compile (its per-op runtime is a pair of Python dispatch "
     "modes that dynamo cannot trace): leave torch_compile off, or run without adacc; see "
@@ -144,6 +144,8 @@ class BlockRuntime:
             fn, *args, use_reentrant=False, context_fn=run.contexts, preserve_rng_state=True
         )
         if run.built is not None:
+            if len(self._tables) >= MAX_TABLES:  # e.g. many padded lengths: drop the oldest
+                self._tables.pop(next(iter(self._tables)))
             self._tables[sig] = run.built
         elif run.broken:
             self._tables.pop(sig, None)  # rebuilt (and re-aligned) on the next forward
