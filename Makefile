@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # On a machine without CUDA, pin the local CPU build of torch so pip never pulls CUDA wheels.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo memory-demo test test-all test-dist bench-cpu accuracy bench-codecs plan-sweep lint format clean
+.PHONY: setup demo memory-demo test test-all test-dist bench-cpu bench-dispatch accuracy bench-codecs plan-sweep lint format clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,11 @@ test-dist: setup
 # Strategies side by side on CPU-sized models (throughput, memory, largest micro-batch); < 10 min.
 bench-cpu: setup
 	$(PY) benchmarks/bench_throughput.py
+
+# The runtime's own cost: uniform-recompute policy vs HF full checkpointing, all-retain vs no
+# checkpointing, per-op dispatch overhead (one interleaved run, medians).
+bench-dispatch: setup
+	$(PY) benchmarks/bench_dispatch.py
 
 # SmolLM2 fine-tuning and from-scratch GPT-2 accuracy per strategy, with loss-curve plots.
 accuracy: setup

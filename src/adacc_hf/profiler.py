@@ -23,8 +23,9 @@ from .adapters import get_adapter, unwrap_model
 from .codecs import Codec, get_codec, payload_finite, relative_error
 from .policy import Policy
 from .runtime import apply_adacc
+from .runtime.checkpoint import dispatch_overhead_ms
 from .runtime.memory import activation_memory_report
-from .runtime.ops import storage_id, tensor_outputs
+from .runtime.ops import cache_target, storage_id, tensor_outputs
 from .runtime.timing import elapsed_ms, sync, time_call, timer_for
 from .runtime.trace import (
     devices_of,
@@ -81,7 +82,7 @@ def profile_codec(
         encode_ms=time_call(lambda: codec.encode(x), device, repeats),
         decode_ms=time_call(lambda: codec.decode(enc), device, repeats),
         rel_error=err,
-        n_outliers=int(enc.meta.get("n_outliers", 0)),
+        n_outliers=int(enc.meta.get("outlier_count", 0)),
     )
 
 
@@ -149,11 +150,13 @@ def profile_model(
             )
             if op.cacheable and tensors:
                 for codec in candidate_codecs(op, allowed, codec_params):
-                    cp = profile_codec(codec, tensors[0], device)
+                    cp = profile_codec(codec, cache_target(op.mask, raw), device)
                     if cp is not None:
                         prof.codecs[codec.name] = cp
             op_profiles.append(prof)
+        gp = GroupPolicy(ops=ops, variants=[Variant(len(group.modules), True, {})])
         measured[group.name] = {
+            "dispatch_ms": dispatch_overhead_ms(block, fn, args, gp, device, repeats),
             "ops": op_profiles,
             "fixed_ms": other + sum(p.fwd_ms for p in op_profiles if not p.cacheable),
             "block_fwd_ms": block_ms,
@@ -187,6 +190,7 @@ def profile_model(
             transient_nbytes=max(0, full[g.name] - input_nbytes) + largest,
             block_fwd_ms=m["block_fwd_ms"],
             ops=m["ops"],
+            dispatch_ms=m["dispatch_ms"],
         )
     shapes = {k: list(v.shape) for k, v in sample_batch.items() if isinstance(v, torch.Tensor)}
     dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)

@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..adapters import get_adapter, unwrap_model
-from .ops import is_keyed, tensor_outputs
+from .ops import is_keyed, is_mutable, tensor_outputs
 from .sharded import forwards_without_backward
 
 
@@ -48,10 +48,16 @@ class _StorageRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if is_keyed(func):
-            for t in tensor_outputs(out):
-                s = t.untyped_storage()
-                if s.nbytes():
-                    self.records.append((StorageWeakRef(s), s.data_ptr(), s.nbytes(), self.where))
+            fresh = None
+        elif is_mutable(func):
+            return out
+        else:  # composite ops seen whole (``to``, ``contiguous`` called inside another dispatch
+            # mode, e.g. by a codec): count an output only if its storage is new
+            fresh = {t.untyped_storage().data_ptr() for t in tensor_outputs((args, kwargs))}
+        for t in tensor_outputs(out):
+            s = t.untyped_storage()
+            if s.nbytes() and (fresh is None or s.data_ptr() not in fresh):
+                self.records.append((StorageWeakRef(s), s.data_ptr(), s.nbytes(), self.where))
         return out
 
 

@@ -6,8 +6,9 @@ and the session, benchmarks and tests ask `predict` about any policy (solved or 
 
 Per op of a checkpointed block: retain (0 ms, ``retain_nbytes``), compress with codec c (encode +
 decode ms, encoded bytes), recompute (``fwd_ms``, 0 bytes). Per block group: a checkpointed block
-holds its input plus what its ops keep and pays ``fixed_ms`` for ops that always rerun; a plain
-block holds ``full_nbytes``. The step's transient is the largest backward temporary of a
+holds its input plus what its ops keep and pays ``fixed_ms`` for ops that always rerun, plus
+``dispatch_ms`` (the runtime's dispatch modes, measured) if it keeps any op; a plain block holds
+``full_nbytes``. The step's transient is the largest backward temporary of a
 checkpointed block, or the one outside the blocks.
 """
 
@@ -56,7 +57,8 @@ class GroupModel:
 def choices_for(
     op: OpProfile, codecs: set[str] | None, max_rel_error: float | None
 ) -> list[Choice]:
-    """The op's actions (retain, codecs by name, recompute) minus the dominated ones."""
+    """The op's actions (retain, codecs by name, recompute) minus the dominated ones (recompute
+    always stays: a block that keeps nothing does not pay the runtime's dispatch overhead)."""
     cands = [Choice("retain", Action.retain(), 0.0, op.retain_nbytes)]
     for name in sorted(op.codecs):
         cp = op.codecs[name]
@@ -71,6 +73,8 @@ def choices_for(
 
     def beaten(i: int) -> bool:
         a = cands[i]
+        if a.label == "recompute":  # keeping nothing spares the block the dispatch overhead
+            return False
         for j, b in enumerate(cands):
             no_worse = j != i and b.ms <= a.ms and b.nbytes <= a.nbytes
             if no_worse and (b.ms < a.ms or b.nbytes < a.nbytes or j < i):
@@ -105,11 +109,16 @@ def evaluate(
         g, kg = gm.prof, k[gm.name]
         held += (g.num_blocks - kg) * g.full_nbytes + kg * g.input_nbytes
         ms.append(kg * g.fixed_ms)
+        keeping = 0  # blocks that keep any op: realisation puts kept actions first
         for op, choices in gm.ops:
+            kept = 0
             for c in choices:
                 y = counts[gm.name][op.key].get(c.label, 0)
                 held += y * c.nbytes
                 ms.append(y * c.ms)
+                kept += y if c.label != "recompute" else 0
+            keeping = max(keeping, kept)
+        ms.append(keeping * dispatch_ms(g))
         if kg:
             transient = max(transient, g.transient_nbytes)
     return held, math.fsum(ms), transient
@@ -160,6 +169,11 @@ def planned_budget(
     return budget_nbytes if planned < min_budget(profile, static_nbytes) else planned
 
 
+def dispatch_ms(g: GroupProfile) -> float:
+    """Runtime overhead of one checkpointed block of ``g`` that keeps any op (0 if unmeasured)."""
+    return float(getattr(g, "dispatch_ms", 0.0) or 0.0)
+
+
 def nonblock_transient(profile: Profile) -> int:
     """Backward temporary outside the blocks (e.g. the logits' gradient), if profiled."""
     return int(getattr(profile, "nonblock_transient_nbytes", 0) or 0)
@@ -201,6 +215,8 @@ def predict(profile: Profile, policy: Policy, static_nbytes: int | StaticMemory 
                 continue
             transient = max(transient, g.transient_nbytes)
             b, t = g.input_nbytes, [g.fixed_ms]
+            if any(a.kind != "recompute" for a in v.actions.values()):
+                t.append(dispatch_ms(g))
             for op in g.ops:
                 if not op.cacheable:
                     continue
