@@ -37,8 +37,9 @@ class Solution:
 
 def full_recompute_counts(groups: list[GroupModel]) -> tuple[dict[str, int], dict]:
     ks = {gm.name: gm.prof.num_blocks for gm in groups}
+    # The cheapest-memory choice of each op: recompute, or retain where that is the only one.
     counts = {
-        gm.name: {op.key: {"recompute": gm.prof.num_blocks} for op, _ in gm.ops} for gm in groups
+        gm.name: {op.key: {cs[-1].label: gm.prof.num_blocks} for op, cs in gm.ops} for gm in groups
     }
     return ks, counts
 
