@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -134,20 +134,29 @@ def profile_model(
         other = statistics.median(sum(elapsed_ms(e) for e in r.other_ms) for r in runs)
         block_ms = time_call(lambda: fn(*args), device, max(1, repeats // 2))
         outs = _storages(out)
+        # The hidden states go on to the next block; other outputs (attention weights GPT-J and
+        # Bloom return, T5's position bias) are held anyway only if later blocks read them.
+        hidden = out[0] if isinstance(out, (tuple, list)) and out else out
+        main = _storages(hidden)
         last = runs[-1]
-        op_profiles = []
+        op_profiles, aux_shared = [], []
         for op, raw in zip(ops, last.outputs, strict=True):
             tensors = tensor_outputs(raw)
+
+            def shared(storages: set[int], tensors=tensors) -> int:
+                return sum(
+                    t.numel() * t.element_size()
+                    for t in tensors
+                    if t.numel() and storage_id(t) in storages
+                )
+
             prof = OpProfile.from_spec(
                 op,
                 fwd_ms=fwd[op.key],
                 block_output=bool(_storages(raw) & outs),
-                shared_nbytes=sum(
-                    t.numel() * t.element_size()
-                    for t in tensors
-                    if t.numel() and storage_id(t) in outs
-                ),
+                shared_nbytes=shared(main),
             )
+            aux_shared.append(shared(outs - main))
             if op.cacheable and tensors:
                 for codec in candidate_codecs(op, allowed, codec_params):
                     cp = profile_codec(codec, cache_target(op.mask, raw), device)
@@ -158,6 +167,8 @@ def profile_model(
         measured[group.name] = {
             "dispatch_ms": dispatch_overhead_ms(block, fn, args, gp, device, repeats),
             "ops": op_profiles,
+            "aux_shared": aux_shared,
+            "hidden_nbytes": sum(t.numel() * t.element_size() for t in tensor_outputs(hidden)),
             "fixed_ms": other + sum(p.fwd_ms for p in op_profiles if not p.cacheable),
             "block_fwd_ms": block_ms,
             "input_guess": first_tensor_nbytes(args),
@@ -178,6 +189,17 @@ def profile_model(
     for g in groups:
         m = measured[g.name]
         input_nbytes = held.blocks_mean[g.name]
+        # Under full recomputation a block holds what it creates and others keep: its output
+        # when the next block (or the final norm) saves it, which not every final norm does
+        # (Cohere's), and other outputs later blocks read. Retaining an op costs only the part
+        # of its output that nothing holds anyway (on average over the group's blocks).
+        kept = [min(1.0, held.blocks[p] / max(1, m["hidden_nbytes"])) for p in g.paths]
+        frac = sum(kept) / len(kept)
+        aux = input_nbytes > m["input_guess"]
+        m["ops"] = [
+            replace(o, shared_nbytes=round(o.shared_nbytes * frac) + (a if aux else 0))
+            for o, a in zip(m["ops"], m["aux_shared"], strict=True)
+        ]
         largest = max((o.nbytes for o in m["ops"]), default=0)
         gprofs[g.name] = GroupProfile(
             name=g.name,
@@ -215,6 +237,7 @@ def profile_model(
 @dataclass
 class _Held:
     blocks_mean: dict[str, int]
+    blocks: dict[str, int]  # per block path
     other: int
     largest_other: int
 
@@ -256,4 +279,4 @@ def _block_memory(base, batch, groups, specs) -> tuple[dict[str, int], _Held]:
             with apply_adacc(base, policy(g.name)):
                 full[g.name] = activation_memory_report(base, kwargs).blocks[g.paths[0]]
     mean = {g.name: round(sum(rec.blocks[p] for p in g.paths) / len(g.paths)) for g in groups}
-    return full, _Held(mean, rec.other, rec.largest_other)
+    return full, _Held(mean, rec.blocks, rec.other, rec.largest_other)

@@ -40,6 +40,7 @@ LAYER_TYPES: dict[str, str] = {
     "mlp_down": "MLP down projection",
     "dropout": "dropout (hidden states)",
     "elementwise": "residual adds, gating and other glue",
+    "router": "mixture-of-experts router: gate logits, routing probabilities, top-k choice",
 }
 
 #: The attention core: what Megatron-style selective recompute recomputes.
@@ -63,6 +64,12 @@ CODEC_FOR_LAYER: dict[str, str] = {
     "dropout": "int4_outlier",
     "elementwise": "int4_outlier",
 }
+
+#: Layer types whose cacheable outputs every policy retains (never recomputes nor compresses): an
+#: MoE router recomputed in backward from inputs a codec altered can pick other experts than it did
+#: in forward, and the gradients then belong to another computation. Router outputs are small
+#: (tokens x experts), and the top-k choice recomputed from retained probabilities is exact.
+ALWAYS_RETAIN = frozenset({"router"})
 
 FLOAT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
 #: Outputs smaller than this (per-row statistics, scalars) are never compressed.
@@ -202,8 +209,10 @@ class OpSpec:
 def codec_candidates(op: OpSpec, allowed: Iterable[str] | None = None) -> list[str]:
     """Names of the codecs that may compress ``op``'s output: none for small outputs (statistics,
     scalars) and non-float dtypes, ``bitpack`` for bool and random masks, else the layer type's
-    own codec or every ``allowed`` codec. The one rule the profiler and the policy builders
-    share."""
+    own codec or every ``allowed`` codec (none for `ALWAYS_RETAIN` layer types). The one rule the
+    profiler and the policy builders share."""
+    if op.layer_type in ALWAYS_RETAIN:
+        return []
     if op.dtype == "torch.bool" or op.mask:
         return ["bitpack"]
     if op.dtype not in FLOAT_DTYPES:

@@ -179,8 +179,6 @@ class Policy:
                 f"this policy was made for a {self.model_type!r} model, not {model_type!r}: "
                 "create a policy for this model (profile and solve, or adacc_hf.uniform_policy)"
             )
-        if adapter.name != self.adapter:
-            raise PolicyError(f"policy adapter {self.adapter!r} != model adapter {adapter.name!r}")
         groups = {g.name: len(g.modules) for g in adapter.block_groups(base)}
         mine = {k: g.num_blocks for k, g in self.groups.items()}
         if groups != mine:

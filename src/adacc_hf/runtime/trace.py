@@ -278,7 +278,7 @@ def record_block(
     for sid, idx in rec.produced.items():
         if sid in saved:
             rec.recs[idx].saved = True
-    types = adapter.layer_types([(r.region, r.packet) for r in rec.recs], group.name)
+    types = adapter.layer_types([(r.region, r.packet) for r in rec.recs], group)
     ops = [
         OpSpec(
             key=r.key,

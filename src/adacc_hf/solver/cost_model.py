@@ -22,7 +22,7 @@ import torch
 from ..codecs import get_codec
 from ..errors import PolicyError
 from ..policy import Policy
-from ..schema import Action, GroupProfile, OpProfile, Profile
+from ..schema import ALWAYS_RETAIN, Action, GroupProfile, OpProfile, Profile
 from .static import StaticMemory
 
 
@@ -58,8 +58,11 @@ def choices_for(
     op: OpProfile, codecs: set[str] | None, max_rel_error: float | None
 ) -> list[Choice]:
     """The op's actions (retain, codecs by name, recompute) minus the dominated ones (recompute
-    always stays: a block that keeps nothing does not pay the runtime's dispatch overhead)."""
+    always stays: a block that keeps nothing does not pay the runtime's dispatch overhead); only
+    retain for `ALWAYS_RETAIN` layer types (MoE routers)."""
     cands = [Choice("retain", Action.retain(), 0.0, op.retain_nbytes)]
+    if op.layer_type in ALWAYS_RETAIN:
+        return cands
     for name in sorted(op.codecs):
         cp = op.codecs[name]
         if codecs is not None and name not in codecs:
@@ -137,11 +140,17 @@ def min_activation_nbytes(profile: Profile) -> tuple[int, int]:
     for tr in sorted({g.transient_nbytes for g in gs}):
         held = profile.nonblock_nbytes
         for g in gs:
-            per = min(g.full_nbytes, g.input_nbytes) if g.transient_nbytes <= tr else g.full_nbytes
+            least = g.input_nbytes + pinned_nbytes(g)
+            per = min(g.full_nbytes, least) if g.transient_nbytes <= tr else g.full_nbytes
             held += g.num_blocks * per
         if held + max(tr, floor) < sum(best):
             best = (held, max(tr, floor))
     return best
+
+
+def pinned_nbytes(g: GroupProfile) -> int:
+    """Bytes a checkpointed block of `g` retains under any policy (`ALWAYS_RETAIN` ops)."""
+    return sum(o.retain_nbytes for o in g.ops if o.cacheable and o.layer_type in ALWAYS_RETAIN)
 
 
 def min_budget(profile: Profile, static_nbytes: int = 0) -> int:
