@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # On a machine without CUDA, pin the local CPU build of torch so pip never pulls CUDA wheels.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo memory-demo test test-all test-dist bench-cpu accuracy bench-codecs plan-sweep lint format clean
+.PHONY: setup demo memory-demo test test-all test-dist bench-cpu bench-dispatch accuracy bench-codecs plan-sweep families-table lint format clean
 
 setup: $(VENV)/.installed
 
@@ -42,6 +42,11 @@ test-dist: setup
 bench-cpu: setup
 	$(PY) benchmarks/bench_throughput.py
 
+# The runtime's own cost: uniform-recompute policy vs HF full checkpointing, all-retain vs no
+# checkpointing, per-op dispatch overhead (one interleaved run, medians).
+bench-dispatch: setup
+	$(PY) benchmarks/bench_dispatch.py
+
 # SmolLM2 fine-tuning and from-scratch GPT-2 accuracy per strategy, with loss-curve plots.
 accuracy: setup
 	$(PY) benchmarks/accuracy.py
@@ -53,6 +58,11 @@ bench-codecs: setup
 # Budget sweep: predicted vs measured activation memory on the tiny family configs.
 plan-sweep: setup
 	$(PY) benchmarks/plan_sweep.py --out benchmarks/results/plan-sweep-cpu.json
+
+# Every tested transformers family (slow ones too, ~10 min on 2 cores) -> JSON -> README's table.
+families-table: setup
+	ADACC_FAMILY_REPORT=benchmarks/results/families-cpu.json $(PY) -m pytest -q tests/test_families.py
+	$(PY) benchmarks/families_table.py benchmarks/results/families-cpu.json --readme README.md
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -6,8 +6,11 @@ The references live in ``adacc_hf.codecs`` (``base.py`` fixes the arithmetic and
 
 * one module per codec with the Triton kernels and host launch code: :mod:`.int4_naive`,
   :mod:`.int4_outlier`, :mod:`.int4_channel`, :mod:`.int4_asym` (all built on the shared INT4
-  kernels of :mod:`.int4`), :mod:`.bitpack`, :mod:`.fp8`; functions take and return plain
-  tensors ([rows, channels] inputs, payload tensors as in the references);
+  kernels of :mod:`.int4` (fused segment encoder), :mod:`.int4_quant` (column reductions,
+  quantisers) and :mod:`.int4_decode`), :mod:`.bitpack`, :mod:`.fp8`; functions take and return
+  plain tensors ([rows, channels] inputs, payload tensors as in the references; decoders also
+  write into a given ``out=``); :mod:`.selection` is the torch step of the outlier selection
+  that kernels and reference share;
 * :mod:`.ops`: the same functions as ``torch.ops.adacc.*`` custom ops with fake
   implementations (traceable by ``torch.compile`` / ``make_fx``);
 * the codec glue in ``adacc_hf.codecs.dispatch`` (``Encoded`` payloads <-> ops).
@@ -21,15 +24,17 @@ int4_naive     1 read of x, 1 write of P (stats + quantise + pack fused)        
 int4_asym      1 read of x, 1 write (per-row min/max fused; rows wider than a      1 + 1
                register tile re-read once from cache)
 int4_channel   2 reads of x (column absmax needs every row first), 1 write       1 + 1
-int4_outlier   1 read + column sums fused; one tiny selection kernel; one sync   1 + 1
-               (outlier count); groups holding outliers re-read and rewritten     (gather of
-               (gather of the exact values fused there)                           outliers)
-bitpack        1 read, 1 write (float masks: per-program stats, one sync)        1 + 1
+int4_outlier   1 read + column sums fused; one tiny z-score kernel and a top-k   1 + 1
+               into the fixed-size outlier buffer; groups holding outliers        (gather of
+               re-read and rewritten (gather of the exact values fused there)     outliers)
+bitpack        1 read, 1 write (float masks: per-program stats)                  1 + 1
 fp8_e4m3       1 read, 1 write (per-block absmax fused)                          1 + 1
 =============  ================================================================  ===========
 
 Odd layouts (an odd number of codes per row, so bytes straddle rows) use a statistics pass plus a
-"flat" quantiser that walks the byte array (one more read).
+"flat" quantiser that walks the byte array (one more read). No kernel launch waits for the
+device: payload sizes are fixed by the input shape, and inf / NaN inputs are encoded in place
+(flagged segments and marker codes, ``adacc_hf.codecs.base``) rather than checked on the host.
 
 Nothing here imports triton at import time: kernel modules are imported by the ops on first
 use, which is when Triton decides between compiled kernels and its CPU interpreter

@@ -6,6 +6,8 @@ launch passes ``enable_fp_fusion=False``), one final rounding cast to the output
 
 Two portability details:
 
+* Non-finite inputs follow ``adacc_hf.codecs.base``: statistics over finite elements, flagged
+  segments (sign bit of the scale, set with :func:`with_sign`) and marker codes.
 * Rounding uses ``y + 1.5 * 2**23 - 1.5 * 2**23`` (exact round-half-even for ``|y| < 2**22``;
   every quantiser here divides by a scale derived from the block's own maximum, so
   ``|y| <= 16``). ``libdevice.rint`` would do on GPUs but is missing in the interpreter.
@@ -101,6 +103,55 @@ def quantize_sym(v, scale):
 
 
 @triton.jit
+def is_finite(x):
+    """float32 ``x`` is neither inf nor NaN (``NaN < inf`` is false)."""
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def int4_markers(x):
+    """int32 marker codes of non-finite ``x``: -inf -> -8, +inf -> 7, NaN -> -7."""
+    return tl.where(x != x, -7, tl.where(x > 0.0, 7, -8))
+
+
+@triton.jit
+def quantize_robust(x, scale, fin):
+    """:func:`quantize_sym` of the finite elements, marker codes for the others."""
+    return tl.where(fin, quantize_sym(tl.where(fin, x, 0.0), scale), int4_markers(x))
+
+
+FLT_MIN: tl.constexpr = 1.1754943508222875e-38  # a flagged segment's smallest scale
+
+
+@triton.jit
+def flagged_scale(scale, flag):
+    """A flagged segment's scale magnitude is at least FLT_MIN (markers times it stay inf)."""
+    return tl.where(flag & (scale == 0.0), FLT_MIN, scale)
+
+
+@triton.jit
+def with_sign(v, flag):
+    """float32 ``v`` with the sign bit set where ``flag`` (``-0.0`` for 0; ``-v`` would give
+    ``0 - v`` = ``+0.0``)."""
+    u = v.to(tl.uint32, bitcast=True) | (flag.to(tl.uint32) << 31)
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def sign_set(v):
+    """Whether float32 ``v`` has its sign bit set (a flagged scale, ``-0.0`` included)."""
+    return (v.to(tl.uint32, bitcast=True) >> 31) != 0
+
+
+@triton.jit
+def int4_unmark(y, nib, flagged):
+    """float32 values ``y`` of nibbles ``nib`` with the markers of flagged segments restored."""
+    y = tl.where(flagged & (nib == 0), -float("inf"), y)
+    y = tl.where(flagged & (nib == 15), float("inf"), y)
+    return tl.where(flagged & (nib == 1), float("nan"), y)
+
+
+@triton.jit
 def pack_nibbles(q_even, q_odd):
     """Codes of elements 2i (low nibble) and 2i+1 (high nibble) as ``q + 8`` -> uint8."""
     return ((q_even + 8) | ((q_odd + 8) << 4)).to(tl.uint8)
@@ -108,7 +159,7 @@ def pack_nibbles(q_even, q_odd):
 
 @triton.jit
 def f32_to_bf16_bits(y):
-    """float32 -> bfloat16 bit pattern (int16), round to nearest even (finite inputs)."""
+    """float32 -> bfloat16 bit pattern (int16), round to nearest even (inf and NaN stay)."""
     u = y.to(tl.uint32, bitcast=True)
     u = u + 0x7FFF + ((u >> 16) & 1)
     return (u >> 16).to(tl.int16)

@@ -3,8 +3,8 @@
 Encode: one pass; each program packs 8 elements per byte (element ``i`` -> bit ``i % 8`` of
 byte ``i // 8``). Float masks are read as raw bit patterns and the same pass writes per-program
 statistics (min / max nonzero pattern, any nonzero, any ``-0.0``); a few tiny torch reductions
-turn them into the ``scale`` and two flags that the caller checks (one host sync, only for float
-masks, as in the reference which also rejects non-mask inputs). Bool masks: one kernel, no sync.
+turn them into the ``scale`` (NaN for an input that is not a 0-or-scale mask, as in the
+reference) and two flags. Nothing waits for the device.
 Decode: one pass writing raw bit patterns (``scale`` or ``+0.0``), bit exact in every dtype.
 """
 
@@ -81,7 +81,8 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat contiguous mask x -> (bits uint8 [ceil(n / 8)], scale (0-dim, x.dtype), flags).
 
     ``flags`` int32 [2]: (more than one distinct nonzero value or NaN, some ``-0.0``); both
-    zero for a valid mask. Bool masks: scale is a dummy ``False`` and flags are zeros.
+    zero for a valid mask, whose ``scale`` is NaN otherwise. Bool masks: scale is a dummy
+    ``False`` and flags are zeros.
     """
     if x.dim() != 1 or not x.is_contiguous():
         raise ValueError("bitpack kernels expect a flat contiguous tensor")
@@ -114,13 +115,22 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pattern = torch.where(any_nz, lo, torch.zeros_like(lo))
     scale = pattern.to(bits_view(x).dtype).view(x.dtype).clone()
     distinct = any_nz & ((lo != hi) | torch.isnan(scale))
+    scale = torch.where(distinct | neg_zero, torch.full_like(scale, torch.nan), scale)
     return bits, scale, torch.stack([distinct, neg_zero]).to(torch.int32)
 
 
-def decode(bits: torch.Tensor, scale: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Flat [numel] mask of ``dtype``: ``scale`` where the bit is set, else +0.0 (or bool)."""
+def decode(
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    numel: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Flat [numel] mask of ``dtype``: ``scale`` where the bit is set, else +0.0 (or bool);
+    written into ``out`` (flat, contiguous) when given."""
     check_launchable(bits.device)
-    out = torch.empty(numel, dtype=dtype, device=bits.device)
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=bits.device)
     is_float = dtype != torch.bool
     n_bytes = bits.numel()
     block = _block(n_bytes)

@@ -6,6 +6,9 @@ writes the codes and scales. Decode: one pass, ``code -> float32`` (exact) ``* s
 cast. The e4m3 conversions are done with integer bit arithmetic (the same rules as
 ``torch.Tensor.to(torch.float8_e4m3fn)`` for in-range values), so the kernels need no FP8
 hardware: they are bit-identical to the torch reference on any GPU and in Triton's interpreter.
+Non-finite elements (``adacc_hf.codecs.base``): a block holding inf / NaN takes its absmax over
+finite values, divides by 224 and stores its scale with the sign bit set; its inf / NaN
+elements become the codes of -448 / +448 / NaN, which decode restores.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from ._common import (
     cast_out,
     cdiv,
     check_rows_input,
+    flagged_scale,
+    is_finite,
     num_warps,
     pow2,
     rmax,
     round_half_even,
+    sign_set,
+    with_sign,
 )
 from ._common import store_view as _store_view
 from ._triton import check_launchable
@@ -48,12 +55,13 @@ def f32_to_e4m3_bits(y):
 
 @triton.jit
 def e4m3_bits_to_f32(c):
-    """e4m3fn byte (as int32) -> float32, exact."""
+    """e4m3fn byte (as int32) -> float32, exact (0x7F / 0xFF: NaN)."""
     e = (c >> 3) & 15
     m = c & 7
     sub = m.to(tl.float32) * 0.001953125
     nrm = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     v = tl.where(e == 0, sub, nrm)
+    v = tl.where((c & 0x7F) == 0x7F, float("nan"), v)
     return tl.where((c & 0x80) != 0, -v, v)
 
 
@@ -67,13 +75,19 @@ def _fp8_encode_kernel(
     m = rmask[:, None] & (cols < C)[None, :]
     offs = rows[:, None].to(tl.int64) * C + cols[None, :]
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(rmax(tl.abs(x), 1), 448.0)
-    tl.store(scale_ptr + rows.to(tl.int64) * NB + tl.program_id(1), scale, mask=rmask)
+    fin = is_finite(x)
+    xs = tl.where(fin, x, 0.0)
+    flag = rmax((~fin).to(tl.int32), 1) > 0
+    scale = tl.math.div_rn(rmax(tl.abs(xs), 1), tl.where(flag, 224.0, 448.0))
+    scale = flagged_scale(scale, flag)
+    soffs = rows.to(tl.int64) * NB + tl.program_id(1)
+    tl.store(scale_ptr + soffs, with_sign(scale, flag), mask=rmask)
     zero = (scale == 0.0)[:, None]
-    y = tl.math.div_rn(x, tl.where(zero, 1.0, scale[:, None]))
+    y = tl.math.div_rn(xs, tl.where(zero, 1.0, scale[:, None]))
     y = tl.where(zero, 0.0, y)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    tl.store(q_ptr + offs, f32_to_e4m3_bits(y), mask=m)
+    marks = tl.where(x != x, 0x7F, tl.where(x > 0.0, 0x7E, 0xFE)).to(tl.uint8)
+    tl.store(q_ptr + offs, tl.where(fin, f32_to_e4m3_bits(y), marks), mask=m)
 
 
 @triton.jit
@@ -95,7 +109,11 @@ def _fp8_decode_kernel(
     offs = rows[:, None].to(tl.int64) * C + cols[None, :]
     code = tl.load(q_ptr + offs, mask=m, other=0).to(tl.int32)
     scale = tl.load(scale_ptr + rows.to(tl.int64) * NB + tl.program_id(1), mask=rmask, other=0.0)
-    y = e4m3_bits_to_f32(code) * scale[:, None]
+    v = e4m3_bits_to_f32(code)
+    y = v * tl.abs(scale)[:, None]
+    flagged = sign_set(scale)[:, None]
+    y = tl.where(flagged & (v == 448.0), float("inf"), y)
+    y = tl.where(flagged & (v == -448.0), -float("inf"), y)
     tl.store(out_ptr + offs, cast_out(y, out_ptr, OUT_BF16), mask=m)
 
 
@@ -126,12 +144,15 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`encode`: [R, C] of ``dtype``."""
+def decode(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`encode`: [R, C] of ``dtype`` (into ``out``, contiguous, when given)."""
     check_launchable(q.device)
     rows, channels = q.shape
     nb = scale.shape[1]
-    out = torch.empty(rows, channels, dtype=dtype, device=q.device)
+    if out is None:
+        out = torch.empty(rows, channels, dtype=dtype, device=q.device)
     block_r = _block_r(rows)
     _fp8_decode_kernel[(cdiv(rows, block_r), nb)](
         q.view(torch.uint8),

@@ -12,17 +12,16 @@ Kernels:
   (min/max) or symmetric (absmax), outlier channels zeroed and copied out (gather), per-row-block
   column abs-sums (for outlier selection), a "fix-up" mode that only redoes the segments holding
   outlier channels.
-* :func:`_colpartial_kernel` -- per-row-block column reductions (|x| max or sum).
 * :func:`_quant2d_kernel`, :func:`_quant_flat_kernel` -- quantise + pack with given scales.
-* :func:`_dequant2d_kernel`, :func:`_dequant_flat_kernel` -- unpack + dequantise (+ outlier
-  scatter back into place), one read of the payload, one write.
+Decoding lives in :mod:`.int4_decode`. Non-finite elements (``adacc_hf.codecs.base``): every
+statistic is taken over finite elements, a segment holding inf / NaN stores its scale with the
+sign bit set (``absmax / 6``, asymmetric ``(max - min) / 12``) and marker codes for those
+elements; the column reductions carry the same flag in the sign bit of their partial maxima.
 
 Scale modes (``SCALE_MODE``): 0 per row, 1 per channel, 2 per (row, segment of ``SEG`` channels).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -31,19 +30,37 @@ import triton.language as tl
 from . import _common
 from ._common import (
     NO_FMA,
-    cast_out,
     cdiv,
+    flagged_scale,
+    is_finite,
     num_warps,
     pack_nibbles,
     pow2,
-    quantize_sym,
+    quantize_robust,
     rmax,
     rmin,
     rsum,
-    store_view,
+    with_sign,
+)
+from .int4_quant import (
+    SCALE_CHANNEL,
+    SCALE_ROW,
+    SCALE_SEGMENT,
+    _dummy,
+    launch_colpartial,
+    launch_quant,
 )
 
-SCALE_ROW, SCALE_CHANNEL, SCALE_SEGMENT = 0, 1, 2
+__all__ = [
+    "SCALE_CHANNEL",
+    "SCALE_ROW",
+    "SCALE_SEGMENT",
+    "encode_segments",
+    "launch_colpartial",
+    "launch_quant",
+    "launch_seg_encode",
+]
+
 
 # -- device code -------------------------------------------------------------------------
 
@@ -64,12 +81,13 @@ def _load_seg_tile(
 ):
     """float32 tile of x; outlier channels (``slot >= 0``) copied to ``values`` and zeroed.
 
-    Also returns ``|x|`` before zeroing (the column statistics see every channel).
+    Also returns ``|x|`` before zeroing, 0 for non-finite elements (the column statistics see
+    every channel, finite values only).
     """
     m = rmask[:, None] & cmask[None, :]
     raw = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
     x = raw.to(tl.float32)
-    absx = tl.abs(x)
+    absx = tl.where(is_finite(x), tl.abs(x), 0.0)
     if HAS_OUT:
         slot = tl.load(slot_ptr + cols, mask=cmask, other=-1)
         is_out = (slot >= 0)[None, :]
@@ -97,18 +115,49 @@ def _quant_pack_store(
     BLOCK_W: tl.constexpr,
 ):
     """Quantise a [BLOCK_R, BLOCK_W] tile (segment-relative columns from ``w0``, even) and
-    store its BLOCK_W // 2 bytes per row at byte column ``byte0`` of each row."""
+    store its BLOCK_W // 2 bytes per row at byte column ``byte0`` of each row. ``scale`` is the
+    magnitude; non-finite elements get marker codes."""
     if ASYM:  # noqa: SIM108 (Triton: keep constexpr branches as statements)
         v = x - offset[:, None]
     else:
         v = x
-    q = quantize_sym(v, scale[:, None])
+    q = quantize_robust(v, scale[:, None], is_finite(x))
     q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_R, BLOCK_W // 2, 2]))
     packed = pack_nibbles(q_even, q_odd)
     h = tl.arange(0, BLOCK_W // 2)
     hmask = rmask[:, None] & ((w0 + 2 * h) < SEG)[None, :]
     offs = rows[:, None].to(tl.int64) * half_cp + byte0 + h[None, :]
     tl.store(q_ptr + offs, packed, mask=hmask)
+
+
+@triton.jit
+def _tile_stats(x, valid):
+    """Per row of a tile, over its finite valid elements: (absmax, max, min, any non-finite,
+    any finite) (the last two as int32 0 / 1)."""
+    fin = is_finite(x)
+    ok = valid & fin
+    amax = rmax(tl.where(ok, tl.abs(x), 0.0), 1)
+    mx = rmax(tl.where(ok, x, -float("inf")), 1)
+    mn = rmin(tl.where(ok, x, float("inf")), 1)
+    bad = rmax((valid & ~fin).to(tl.int32), 1)
+    anyf = rmax(ok.to(tl.int32), 1)
+    return amax, mx, mn, bad, anyf
+
+
+@triton.jit
+def _seg_params(amax, mx, mn, bad, anyf, rmask, DIVISOR: tl.constexpr, ASYM: tl.constexpr):
+    """(scale magnitude, offset, flag) of row segments from :func:`_tile_stats`."""
+    flag = bad > 0
+    if ASYM:
+        keep = rmask & (anyf > 0)
+        mx = tl.where(keep, mx, 0.0)
+        mn = tl.where(keep, mn, 0.0)
+        offset = tl.math.div_rn(mx + mn, 2.0)
+        scale = tl.math.div_rn(mx - mn, tl.where(flag, 12.0, 16.0))
+    else:
+        offset = tl.full(amax.shape, 0, dtype=tl.float32)
+        scale = tl.math.div_rn(amax, tl.where(flag, 6.0, DIVISOR))
+    return flagged_scale(scale, flag), offset, flag
 
 
 @triton.jit
@@ -140,12 +189,16 @@ def _seg_encode_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    """Grid (row blocks, segments); FIXUP: (row blocks, outliers), one program per segment
-    that holds outliers (the first outlier of each such segment does the work)."""
+    """Grid (row blocks, segments); FIXUP: (row blocks, outlier slots), one program per segment
+    that holds outliers (the first outlier of each such segment does the work; unused slots,
+    index -1, return at once)."""
     pid_r = tl.program_id(0)
     if FIXUP:
         j = tl.program_id(1)
-        seg = tl.load(idx_ptr + j) // SEG
+        channel = tl.load(idx_ptr + j)
+        if channel < 0:  # an unused slot of the fixed-size outlier buffer
+            return
+        seg = channel // SEG
         prev = tl.load(idx_ptr + tl.maximum(j - 1, 0)) // SEG
         if (j > 0) & (prev == seg):
             return
@@ -176,23 +229,16 @@ def _seg_encode_kernel(
             )
             if COLSUM:
                 colacc += rsum(absx, 0)
-            if ASYM:
-                valid = rmask[:, None] & cmask[None, :]
-                mx = rmax(tl.where(valid, x, -float("inf")), 1)
-                mn = rmin(tl.where(valid, x, float("inf")), 1)
-                mx = tl.where(rmask, mx, 0.0)
-                mn = tl.where(rmask, mn, 0.0)
-                offset = tl.math.div_rn(mx + mn, 2.0)
-                scale = tl.math.div_rn(mx - mn, 16.0)
-            else:
-                offset = tl.full([BLOCK_R], 0, dtype=tl.float32)
-                scale = tl.math.div_rn(rmax(tl.abs(x), 1), DIVISOR)
+            amax, mx, mn, bad, anyf = _tile_stats(x, rmask[:, None] & cmask[None, :])
+            scale, offset, flag = _seg_params(amax, mx, mn, bad, anyf, rmask, DIVISOR, ASYM)
         else:
             # Segment wider than a register tile: statistics over chunks, then a second,
             # cache-hot read of the same chunks to quantise.
             amax = tl.full([BLOCK_R], 0, dtype=tl.float32)
             mx = tl.full([BLOCK_R], -float("inf"), dtype=tl.float32)
             mn = tl.full([BLOCK_R], float("inf"), dtype=tl.float32)
+            bad = tl.full([BLOCK_R], 0, dtype=tl.int32)
+            anyf = tl.full([BLOCK_R], 0, dtype=tl.int32)
             for c in range(nchunk):
                 wc = c * BLOCK_W + w
                 cols = seg_start + wc
@@ -210,21 +256,16 @@ def _seg_encode_kernel(
                     HAS_OUT,
                     WRITE_VALUES,
                 )
-                valid = rmask[:, None] & cmask[None, :]
-                amax = tl.maximum(amax, rmax(tl.abs(x), 1))
-                mx = tl.maximum(mx, rmax(tl.where(valid, x, -float("inf")), 1))
-                mn = tl.minimum(mn, rmin(tl.where(valid, x, float("inf")), 1))
-            if ASYM:
-                mx = tl.where(rmask, mx, 0.0)
-                mn = tl.where(rmask, mn, 0.0)
-                offset = tl.math.div_rn(mx + mn, 2.0)
-                scale = tl.math.div_rn(mx - mn, 16.0)
-            else:
-                offset = tl.full([BLOCK_R], 0, dtype=tl.float32)
-                scale = tl.math.div_rn(amax, DIVISOR)
+                a_c, mx_c, mn_c, bad_c, anyf_c = _tile_stats(x, rmask[:, None] & cmask[None, :])
+                amax = tl.maximum(amax, a_c)
+                mx = tl.maximum(mx, mx_c)
+                mn = tl.minimum(mn, mn_c)
+                bad = tl.maximum(bad, bad_c)
+                anyf = tl.maximum(anyf, anyf_c)
+            scale, offset, flag = _seg_params(amax, mx, mn, bad, anyf, rmask, DIVISOR, ASYM)
         if WRITE_STATS:
             soffs = rows.to(tl.int64) * NSEG + seg
-            tl.store(scale_ptr + soffs, scale, mask=rmask)
+            tl.store(scale_ptr + soffs, with_sign(scale, flag), mask=rmask)
             if ASYM:
                 tl.store(offset_ptr + soffs, offset, mask=rmask)
         if WRITE_Q:
@@ -282,288 +323,7 @@ def _seg_encode_kernel(
         tl.store(colsum_ptr + pid_r.to(tl.int64) * C + cols, colacc, mask=(w < SEG) & (cols < C))
 
 
-@triton.jit
-def _colpartial_kernel(
-    x_ptr,
-    part_ptr,
-    R,
-    C,
-    row_iters,
-    SUM: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """part[pid_r, c] = sum (SUM) or max of |x[r, c]| over the program's rows."""
-    pid_r = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    acc = tl.full([BLOCK_C], 0, dtype=tl.float32)
-    for it in range(row_iters):
-        rows = (pid_r * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
-        m = (rows < R)[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
-        a = tl.abs(x.to(tl.float32))
-        if SUM:
-            acc += rsum(a, 0)
-        else:
-            acc = tl.maximum(acc, rmax(a, 0))
-    tl.store(part_ptr + pid_r.to(tl.int64) * C + cols, acc, mask=cmask)
-
-
-@triton.jit
-def _load_params(
-    scale_ptr,
-    offset_ptr,
-    rows,
-    cols,
-    m,
-    NSEG,
-    SCALE_MODE: tl.constexpr,
-    SEG: tl.constexpr,
-    HAS_OFFSET: tl.constexpr,
-):
-    """(scale, offset) broadcastable to ``rows``/``cols`` by SCALE_MODE (see module doc)."""
-    if SCALE_MODE == 0:
-        p = rows.to(tl.int64)
-    elif SCALE_MODE == 1:
-        p = cols.to(tl.int64)
-    else:
-        p = rows.to(tl.int64) * NSEG + cols // SEG
-    scale = tl.load(scale_ptr + p, mask=m, other=0.0)
-    if HAS_OFFSET:  # noqa: SIM108
-        offset = tl.load(offset_ptr + p, mask=m, other=0.0)
-    else:
-        offset = scale  # unused placeholder
-    return scale, offset
-
-
-@triton.jit
-def _quant2d_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    offset_ptr,
-    R,
-    C,
-    NSEG,
-    SCALE_MODE: tl.constexpr,
-    SEG: tl.constexpr,
-    HAS_OFFSET: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-):
-    """Quantise + pack with given per-row / per-channel / per-segment parameters (C even)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    rmask = rows < R
-    cmask = w < C
-    m = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + w[None, :], mask=m, other=0.0)
-    x = x.to(tl.float32)
-    scale, offset = _load_params(
-        scale_ptr, offset_ptr, rows[:, None], w[None, :], m, NSEG, SCALE_MODE, SEG, HAS_OFFSET
-    )
-    if HAS_OFFSET:
-        x = x - offset
-    q = quantize_sym(x, scale)
-    q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_R, BLOCK_W // 2, 2]))
-    h = tl.program_id(1) * (BLOCK_W // 2) + tl.arange(0, BLOCK_W // 2)
-    offs = rows[:, None].to(tl.int64) * (C // 2) + h[None, :]
-    tl.store(q_ptr + offs, pack_nibbles(q_even, q_odd), mask=rmask[:, None] & (2 * h < C)[None, :])
-
-
-@triton.jit
-def _quant_flat_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    offset_ptr,
-    slot_ptr,
-    R,
-    C,
-    CP,
-    NSEG,
-    n_codes,
-    n_bytes,
-    SCALE_MODE: tl.constexpr,
-    SEG: tl.constexpr,
-    HAS_OFFSET: tl.constexpr,
-    HAS_OUT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Quantise + pack walking the flat byte array (any Cp, also odd): byte b holds codes
-    2b and 2b+1 of the row-major [R, CP] array; padding codes (column >= C, or past the end)
-    are 0. Outlier channels (``slot >= 0``) are quantised as 0."""
-    b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    e = 2 * b[:, None] + tl.arange(0, 2)[None, :]
-    inside = e < n_codes  # R * CP (host-computed: int args equal to 1 are constexpr)
-    row = e // CP
-    col = e % CP
-    m = inside & (col < C)
-    x = tl.load(x_ptr + row * C + col, mask=m, other=0.0).to(tl.float32)
-    if HAS_OUT:
-        slot = tl.load(slot_ptr + col, mask=m, other=-1)
-        x = tl.where(slot >= 0, 0.0, x)
-    scale, offset = _load_params(
-        scale_ptr, offset_ptr, row, col, inside, NSEG, SCALE_MODE, SEG, HAS_OFFSET
-    )
-    if HAS_OFFSET:
-        x = x - offset
-    q = tl.where(inside, quantize_sym(x, scale), 0)
-    q_even, q_odd = tl.split(q)
-    tl.store(q_ptr + b, pack_nibbles(q_even, q_odd), mask=b < n_bytes)
-
-
-@triton.jit
-def _dequant_value(
-    nib,
-    scale_ptr,
-    offset_ptr,
-    slot_ptr,
-    values_ptr,
-    out_ptr,
-    rows,
-    cols,
-    m,
-    NSEG,
-    n_out,
-    SCALE_MODE: tl.constexpr,
-    SEG: tl.constexpr,
-    HAS_OFFSET: tl.constexpr,
-    HAS_OUT: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-):
-    """Output-dtype values of nibbles ``nib`` at (rows, cols): q * scale (+ offset), cast once;
-    outlier channels take their exact stored values instead."""
-    scale, offset = _load_params(
-        scale_ptr, offset_ptr, rows, cols, m, NSEG, SCALE_MODE, SEG, HAS_OFFSET
-    )
-    y = (nib - 8).to(tl.float32) * scale
-    if HAS_OFFSET:
-        y = y + offset
-    y = cast_out(y, out_ptr, OUT_BF16)
-    if HAS_OUT:
-        slot = tl.load(slot_ptr + cols, mask=m, other=-1)
-        is_out = slot >= 0
-        raw = tl.load(values_ptr + rows.to(tl.int64) * n_out + slot, mask=m & is_out, other=0)
-        y = tl.where(is_out, raw.to(y.dtype), y)
-    return y
-
-
-@triton.jit
-def _dequant2d_kernel(
-    q_ptr,
-    scale_ptr,
-    offset_ptr,
-    slot_ptr,
-    values_ptr,
-    out_ptr,
-    R,
-    C,
-    CP,
-    NSEG,
-    n_out,
-    SCALE_MODE: tl.constexpr,
-    SEG: tl.constexpr,
-    HAS_OFFSET: tl.constexpr,
-    HAS_OUT: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Decode a [BLOCK_R, 2 * BLOCK_H] tile of out [R, C] (CP even, bytes [R, CP // 2])."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    rmask = rows < R
-    hm = rmask[:, None] & (h < CP // 2)[None, :]
-    byte = tl.load(q_ptr + rows[:, None].to(tl.int64) * (CP // 2) + h[None, :], mask=hm, other=0)
-    byte = byte.to(tl.int32)
-    nib = tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_R, 2 * BLOCK_H])
-    cols = tl.program_id(1) * (2 * BLOCK_H) + tl.arange(0, 2 * BLOCK_H)
-    m = rmask[:, None] & (cols < C)[None, :]
-    y = _dequant_value(
-        nib,
-        scale_ptr,
-        offset_ptr,
-        slot_ptr,
-        values_ptr,
-        out_ptr,
-        rows[:, None],
-        cols[None, :],
-        m,
-        NSEG,
-        n_out,
-        SCALE_MODE,
-        SEG,
-        HAS_OFFSET,
-        HAS_OUT,
-        OUT_BF16,
-    )
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y, mask=m)
-
-
-@triton.jit
-def _dequant_flat_kernel(
-    q_ptr,
-    scale_ptr,
-    offset_ptr,
-    slot_ptr,
-    values_ptr,
-    out_ptr,
-    R,
-    C,
-    CP,
-    NSEG,
-    n_out,
-    n_elems,
-    SCALE_MODE: tl.constexpr,
-    SEG: tl.constexpr,
-    HAS_OFFSET: tl.constexpr,
-    HAS_OUT: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Decode walking the flat output (any CP, also odd): out element o = (row, col) reads
-    code ``row * CP + col``."""
-    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = o < n_elems  # R * C
-    row = o // C
-    col = o % C
-    e = row * CP + col
-    byte = tl.load(q_ptr + e // 2, mask=m, other=0).to(tl.int32)
-    nib = (byte >> ((e % 2) * 4).to(tl.int32)) & 15
-    y = _dequant_value(
-        nib,
-        scale_ptr,
-        offset_ptr,
-        slot_ptr,
-        values_ptr,
-        out_ptr,
-        row,
-        col,
-        m,
-        NSEG,
-        n_out,
-        SCALE_MODE,
-        SEG,
-        HAS_OFFSET,
-        HAS_OUT,
-        OUT_BF16,
-    )
-    tl.store(out_ptr + o, y, mask=m)
-
-
 # -- host launchers ----------------------------------------------------------------------
-
-
-@functools.cache
-def _dummy_cached(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(1, dtype=dtype, device=device)
-
-
-def _dummy(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """A placeholder for a pointer argument the launch's flags leave unused (never written)."""
-    return _dummy_cached(device, dtype)
 
 
 def _seg_blocks(rows: int, seg: int) -> tuple[int, int, int]:
@@ -643,156 +403,6 @@ def launch_seg_encode(
         **NO_FMA,
     )
     return colsum
-
-
-def launch_colpartial(x: torch.Tensor, *, reduce_sum: bool, target_blocks: int) -> torch.Tensor:
-    """Per-row-block column |x| sums or maxima [nrb, C] with about ``target_blocks`` blocks."""
-    rows, channels = x.shape
-    block_c = min(pow2(channels), 128)
-    block_r = max(1, min(_common.TILE // block_c, pow2(rows)))
-    row_blocks = cdiv(rows, block_r)
-    row_iters = cdiv(row_blocks, min(row_blocks, target_blocks))
-    row_blocks = cdiv(row_blocks, row_iters)
-    part = torch.empty(row_blocks, channels, dtype=torch.float32, device=x.device)
-    grid = (row_blocks, cdiv(channels, block_c))
-    _colpartial_kernel[grid](
-        x,
-        part,
-        rows,
-        channels,
-        row_iters,
-        SUM=reduce_sum,
-        BLOCK_R=block_r,
-        BLOCK_C=block_c,
-        num_warps=num_warps(block_r * block_c),
-        **NO_FMA,
-    )
-    return part
-
-
-def launch_quant(
-    x: torch.Tensor,
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    mode: int,
-    cp: int,
-    seg: int = 1,
-    offset: torch.Tensor | None = None,
-    slot: torch.Tensor | None = None,
-) -> None:
-    """Quantise + pack x [R, C] into q with given parameters (2-D when possible, else flat)."""
-    rows, channels = x.shape
-    dev = x.device
-    nseg = cp // seg if mode == SCALE_SEGMENT else 1
-    if cp == channels and channels % 2 == 0 and slot is None:
-        width = min(pow2(channels), 1024)
-        block_r = max(1, min(_common.TILE // width, pow2(rows)))
-        grid = (cdiv(rows, block_r), cdiv(channels, width))
-        _quant2d_kernel[grid](
-            x,
-            q,
-            scale,
-            offset if offset is not None else _dummy(dev, torch.float32),
-            rows,
-            channels,
-            nseg,
-            SCALE_MODE=mode,
-            SEG=seg,
-            HAS_OFFSET=offset is not None,
-            BLOCK_R=block_r,
-            BLOCK_W=width,
-            num_warps=num_warps(block_r * width),
-            **NO_FMA,
-        )
-        return
-    n_bytes = q.numel()
-    block = min(pow2(n_bytes), _common.TILE // 2)
-    _quant_flat_kernel[(cdiv(n_bytes, block),)](
-        x,
-        q,
-        scale,
-        offset if offset is not None else _dummy(dev, torch.float32),
-        slot if slot is not None else _dummy(dev),
-        rows,
-        channels,
-        cp,
-        nseg,
-        rows * cp,
-        n_bytes,
-        SCALE_MODE=mode,
-        SEG=seg,
-        HAS_OFFSET=offset is not None,
-        HAS_OUT=slot is not None,
-        BLOCK=block,
-        num_warps=num_warps(2 * block),
-        **NO_FMA,
-    )
-
-
-def launch_dequant(
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    rows: int,
-    channels: int,
-    dtype: torch.dtype,
-    *,
-    mode: int,
-    cp: int,
-    seg: int = 1,
-    offset: torch.Tensor | None = None,
-    slot: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode into a new [rows, channels] tensor of ``dtype``."""
-    dev = q.device
-    out = torch.empty(rows, channels, dtype=dtype, device=dev)
-    nseg = cp // seg if mode == SCALE_SEGMENT else 1
-    n_out = values.shape[1] if values is not None else 0
-    common = (
-        scale,
-        offset if offset is not None else _dummy(dev, torch.float32),
-        slot if slot is not None else _dummy(dev),
-        store_view(values) if values is not None else _dummy(dev, dtype),
-        store_view(out),
-        rows,
-        channels,
-        cp,
-        nseg,
-        n_out,
-    )
-    flags = {
-        "SCALE_MODE": mode,
-        "SEG": seg,
-        "HAS_OFFSET": offset is not None,
-        "HAS_OUT": slot is not None,
-        "OUT_BF16": dtype == torch.bfloat16,
-    }
-    if cp % 2 == 0:
-        block_h = min(pow2(cp // 2), 512)
-        block_r = max(1, min(_common.TILE // (2 * block_h), pow2(rows)))
-        grid = (cdiv(rows, block_r), cdiv(cp // 2, block_h))
-        _dequant2d_kernel[grid](
-            q,
-            *common,
-            **flags,
-            BLOCK_R=block_r,
-            BLOCK_H=block_h,
-            num_warps=num_warps(2 * block_r * block_h),
-            **NO_FMA,
-        )
-    else:
-        block = min(pow2(rows * channels), _common.TILE)
-        _dequant_flat_kernel[(cdiv(rows * channels, block),)](
-            q,
-            *common,
-            rows * channels,
-            **flags,
-            BLOCK=block,
-            num_warps=num_warps(block),
-            **NO_FMA,
-        )
-    return out
 
 
 def encode_segments(

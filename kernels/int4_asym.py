@@ -1,6 +1,6 @@
 """``int4_asym`` kernels: per-row asymmetric INT4 (softmax / attention scores).
 
-Encode: one fused pass over each row (min and max, ``offset = (max + min) / 2``,
+Encode: one fused pass over each row (min and max over the finite elements, ``offset = (max + min) / 2``,
 ``scale = (max - min) / 16``, quantise ``x - offset``, pack); rows wider than a register tile
 are read twice (the second read is cache-hot). Odd channel counts: statistics pass + flat
 quantiser. Decode: one pass, ``q * scale + offset`` (no FMA), one cast.
@@ -12,7 +12,8 @@ import torch
 
 from ._common import check_rows_input
 from ._triton import check_launchable
-from .int4 import SCALE_ROW, encode_segments, launch_dequant
+from .int4 import SCALE_ROW, encode_segments
+from .int4_decode import launch_dequant
 
 
 def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,8 +32,9 @@ def decode(
     rows: int,
     channels: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     check_launchable(q.device)
     return launch_dequant(
-        q, scale, rows, channels, dtype, mode=SCALE_ROW, cp=channels, offset=offset
+        q, scale, rows, channels, dtype, mode=SCALE_ROW, cp=channels, offset=offset, out=out
     )

@@ -12,20 +12,27 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import NO_FMA, cdiv, check_rows_input, pow2
+from ._common import NO_FMA, cdiv, check_rows_input, flagged_scale, pow2, sign_set, with_sign
 from ._triton import check_launchable
-from .int4 import SCALE_CHANNEL, launch_colpartial, launch_dequant, launch_quant
+from .int4 import SCALE_CHANNEL, launch_colpartial, launch_quant
+from .int4_decode import launch_dequant
 
 
 @triton.jit
 def _colmax_scale_kernel(part_ptr, scale_ptr, nrb, C, BLOCK_C: tl.constexpr):
-    """scale[c] = max over the row blocks of part[:, c], divided by 8."""
+    """scale[c] = max over the row blocks of |part[:, c]|, divided by 8 (by 6 and flagged when
+    any partial carries the non-finite flag in its sign bit)."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = cols < C
     acc = tl.full([BLOCK_C], 0, dtype=tl.float32)
+    bad = tl.full([BLOCK_C], 0, dtype=tl.int32)
     for rb in range(nrb):
-        acc = tl.maximum(acc, tl.load(part_ptr + rb * C + cols, mask=m, other=0.0))
-    tl.store(scale_ptr + cols, tl.math.div_rn(acc, 8.0), mask=m)
+        p = tl.load(part_ptr + rb * C + cols, mask=m, other=0.0)
+        acc = tl.maximum(acc, tl.abs(p))
+        bad = tl.maximum(bad, sign_set(p).to(tl.int32))
+    flag = bad > 0
+    scale = flagged_scale(tl.math.div_rn(acc, tl.where(flag, 6.0, 8.0)), flag)
+    tl.store(scale_ptr + cols, with_sign(scale, flag), mask=m)
 
 
 def channel_scale(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +59,12 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode(
-    q: torch.Tensor, scale: torch.Tensor, rows: int, channels: int, dtype: torch.dtype
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    rows: int,
+    channels: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     check_launchable(q.device)
-    return launch_dequant(q, scale, rows, channels, dtype, mode=SCALE_CHANNEL, cp=channels)
+    return launch_dequant(q, scale, rows, channels, dtype, mode=SCALE_CHANNEL, cp=channels, out=out)

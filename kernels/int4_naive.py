@@ -12,7 +12,8 @@ import torch
 
 from ._common import check_rows_input, group_layout
 from ._triton import check_launchable
-from .int4 import SCALE_ROW, SCALE_SEGMENT, encode_segments, launch_dequant
+from .int4 import SCALE_ROW, SCALE_SEGMENT, encode_segments
+from .int4_decode import launch_dequant
 
 
 def encode(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,12 +32,13 @@ def decode(
     channels: int,
     group_size: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`encode`: [rows, channels] of ``dtype``."""
+    """Inverse of :func:`encode`: [rows, channels] of ``dtype`` (into ``out`` when given)."""
     check_launchable(q.device)
     group, padded = group_layout(channels, group_size)
     if padded // group > 1:
         return launch_dequant(
-            q, scale, rows, channels, dtype, mode=SCALE_SEGMENT, cp=padded, seg=group
+            q, scale, rows, channels, dtype, mode=SCALE_SEGMENT, cp=padded, seg=group, out=out
         )
-    return launch_dequant(q, scale, rows, channels, dtype, mode=SCALE_ROW, cp=padded)
+    return launch_dequant(q, scale, rows, channels, dtype, mode=SCALE_ROW, cp=padded, out=out)

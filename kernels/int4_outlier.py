@@ -4,16 +4,17 @@ What runs where (encode, even ``group_size`` that fits a register tile -- the us
 
 1. Pass 1 (Triton, one read of ``x``): every [rows, group] tile is quantised *as if there were
    no outliers* (absmax / 7, round, pack: bytes and scales written) and, in the same pass,
-   per-row-block column sums of ``|x|`` are written (a [row blocks, C] float32 array, 1-2 %
-   of the input size).
-2. Selection (Triton, one program): column sums ``s`` (fixed order), population mean / std,
-   ``z = (s - mean) / std``, outliers ``z > threshold``; writes the ascending channel list,
-   a channel -> slot map and the count. One device->host sync reads the count (the payload
-   size depends on it).
-3. Fix-up (Triton, only when there are outliers): one program per (row block, group holding
-   outliers) re-reads that group, copies the outlier values out (gather, no transpose), zeroes
-   them, and rewrites that group's bytes and scales. Extra traffic: the fraction of groups
-   that hold outliers.
+   per-row-block column sums of the finite ``|x|`` are written (a [row blocks, C] float32
+   array, 1-2 % of the input size).
+2. Selection: one Triton program reduces the column sums ``s`` (fixed order) into population
+   mean / std and ``z = (s - mean) / std``; :func:`adacc_kernels.selection.pick_outliers` (a
+   top-k in torch, shared with the reference) fills the fixed-size outlier buffer (K slots,
+   ascending, unused slots -1) and a Triton kernel builds the channel -> slot map. No host sync:
+   the payload size is fixed by K, never by the data.
+3. Fix-up (Triton): one program per (row block, slot whose group holds outliers; unused slots
+   return at once) re-reads that group, copies the outlier values out (gather, no transpose),
+   zeroes them, and rewrites that group's bytes and scales. Extra traffic: the fraction of
+   groups that hold outliers.
 
 The selection sums in a different order from ``torch.sum`` (the reference), so a channel whose
 z-score lies within float32 rounding of the threshold may be classified differently; given the
@@ -31,32 +32,16 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import NO_FMA, cdiv, check_rows_input, cumsum, group_layout, pow2, rmax, rsum
+from ._common import NO_FMA, cdiv, check_rows_input, group_layout, pow2, rmax, rsum
 from ._triton import check_launchable
-from .int4 import (
-    SCALE_ROW,
-    SCALE_SEGMENT,
-    encode_segments,
-    launch_colpartial,
-    launch_dequant,
-    launch_seg_encode,
-)
+from .int4 import SCALE_ROW, SCALE_SEGMENT, encode_segments, launch_colpartial, launch_seg_encode
+from .int4_decode import launch_dequant
+from .selection import pick_outliers
 
 
 @triton.jit
-def _select_kernel(
-    part_ptr,
-    s_ptr,
-    idx_ptr,
-    slot_ptr,
-    count_ptr,
-    nrb,
-    C,
-    c_float,
-    threshold,
-    BLOCK_C: tl.constexpr,
-):
-    """One program: s = column sums of part [nrb, C]; outliers z(s) > threshold."""
+def _zscore_kernel(part_ptr, s_ptr, z_ptr, nrb, C, c_float, BLOCK_C: tl.constexpr):
+    """One program: s = column sums of part [nrb, C]; z = (s - mean) / std (-inf if std == 0)."""
     offs = tl.arange(0, BLOCK_C)
     total = tl.full([BLOCK_C], 0, dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
@@ -79,19 +64,11 @@ def _select_kernel(
     std = tl.sqrt_rn(tl.math.div_rn(rsum(sq, 0), n))
     ok = std > 0.0
     safe_std = tl.where(ok, std, 1.0)
-    count = tl.full([1], 0, dtype=tl.int32)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + offs
         m = cols < C
         z = tl.math.div_rn(tl.load(s_ptr + cols, mask=m, other=0.0) - mean, safe_std)
-        z = tl.where(ok, z, -float("inf"))  # std == 0: no outliers
-        flag = m & (z > threshold)
-        f = flag.to(tl.int32)
-        pos = count + cumsum(f, 0) - 1
-        tl.store(idx_ptr + pos, cols, mask=flag)
-        tl.store(slot_ptr + cols, tl.where(flag, pos, -1), mask=m)
-        count += rsum(f, 0)
-    tl.store(count_ptr + tl.arange(0, 1), count)
+        tl.store(z_ptr + cols, tl.where(ok, z, -float("inf")), mask=m)
 
 
 @triton.jit
@@ -107,31 +84,24 @@ def _slot_kernel(idx_ptr, slot_ptr, C, n, BLOCK_C: tl.constexpr, BLOCK_N: tl.con
     tl.store(slot_ptr + cols, slot, mask=cols < C)
 
 
-def launch_select(
-    colsum_part: torch.Tensor, zscore_threshold: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(idx buffer int32 [C] -- first ``count`` entries valid, slot int32 [C], count int32 [1])."""
+def launch_zscores(colsum_part: torch.Tensor) -> torch.Tensor:
+    """float32 [C] channel z-scores from per-row-block column sums [nrb, C]."""
     nrb, channels = colsum_part.shape
     dev = colsum_part.device
     s = torch.empty(channels, dtype=torch.float32, device=dev)
-    idx = torch.empty(channels, dtype=torch.int32, device=dev)
-    slot = torch.empty(channels, dtype=torch.int32, device=dev)
-    count = torch.empty(1, dtype=torch.int32, device=dev)
-    _select_kernel[(1,)](
+    z = torch.empty(channels, dtype=torch.float32, device=dev)
+    _zscore_kernel[(1,)](
         colsum_part,
         s,
-        idx,
-        slot,
-        count,
+        z,
         nrb,
         channels,
         float(channels),
-        float(zscore_threshold),
         BLOCK_C=min(pow2(channels), 1024),
         num_warps=8,
         **NO_FMA,
     )
-    return idx, slot, count
+    return z
 
 
 def launch_slot(idx: torch.Tensor, channels: int) -> torch.Tensor:
@@ -152,7 +122,7 @@ def encode_with_idx(
     check_launchable(x.device)
     group, padded = group_layout(channels, group_size)
     n = idx.numel()
-    values = x.new_empty((rows, n))
+    values = x.new_zeros((rows, n))  # unused slots (index -1) stay 0
     slot = launch_slot(idx, channels) if n else None
     q, scale, _ = encode_segments(
         x, group, asym=False, cp=padded, slot=slot, values=values if n else None
@@ -161,17 +131,20 @@ def encode_with_idx(
 
 
 def encode(
-    x: torch.Tensor, group_size: int, zscore_threshold: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (q, scale, outlier_values [R, n], outlier_idx int32 [n]) (see module doc)."""
+    x: torch.Tensor, group_size: int, zscore_threshold: float, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (q, scale, outlier_values [R, capacity], outlier_idx int32 [capacity],
+    count int32 0-dim) (see module doc)."""
     rows, channels = check_rows_input(x)
     check_launchable(x.device)
     dev = x.device
     group, padded = group_layout(channels, group_size)
     nseg = padded // group
-    if channels < 2:
+    if channels < 2 or capacity == 0:
         q, scale, _ = encode_segments(x, group, asym=False, cp=padded)
-        return q, scale, x.new_empty((rows, 0)), torch.empty(0, dtype=torch.int32, device=dev)
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        zero = torch.zeros((), dtype=torch.int32, device=dev)
+        return q, scale, x.new_zeros((rows, 0)), empty, zero
     fused = group % 2 == 0 and group <= _common.MAX_SEGMENT_WIDTH
     target_blocks = max(8, cdiv(1024, nseg))
     if fused:
@@ -183,33 +156,16 @@ def encode(
     else:
         part = launch_colpartial(x, reduce_sum=True, target_blocks=target_blocks)
     assert part is not None
-    idx_buf, slot, count = launch_select(part, zscore_threshold)
-    n = int(count.item())  # the one device->host sync: the payload size depends on it
-    idx = idx_buf[:n].clone()
-    values = x.new_empty((rows, n))
+    idx, count = pick_outliers(launch_zscores(part), zscore_threshold, capacity)
+    slot = launch_slot(idx, channels)
+    values = x.new_zeros((rows, capacity))
     if fused:
-        if n:
-            launch_seg_encode(
-                x,
-                group,
-                nseg,
-                asym=False,
-                q=q,
-                scale=scale,
-                slot=slot,
-                values=values,
-                fixup_idx=idx,
-            )
-    else:
-        q, scale, _ = encode_segments(
-            x,
-            group,
-            asym=False,
-            cp=padded,
-            slot=slot if n else None,
-            values=values if n else None,
+        launch_seg_encode(
+            x, group, nseg, asym=False, q=q, scale=scale, slot=slot, values=values, fixup_idx=idx
         )
-    return q, scale, values, idx
+    else:
+        q, scale, _ = encode_segments(x, group, asym=False, cp=padded, slot=slot, values=values)
+    return q, scale, values, idx, count
 
 
 def decode(
@@ -221,13 +177,14 @@ def decode(
     channels: int,
     group_size: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`encode`: [rows, channels] of ``dtype``; outliers exact."""
     check_launchable(q.device)
     group, padded = group_layout(channels, group_size)
     n = idx.numel()
     slot = launch_slot(idx, channels) if n else None
-    kw = {"slot": slot, "values": values if n else None}
+    kw = {"slot": slot, "values": values if n else None, "out": out}
     if padded // group > 1:
         return launch_dequant(
             q, scale, rows, channels, dtype, mode=SCALE_SEGMENT, cp=padded, seg=group, **kw

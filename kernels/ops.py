@@ -3,12 +3,13 @@
 Importing this module registers the ops; it does not import triton (each op imports its kernel
 module on first call), so it is safe before ``TRITON_INTERPRET`` is decided. The fake
 implementations give output shapes and dtypes without running anything, so ``torch.compile`` /
-``torch.export`` can trace through a codec; ``int4_outlier_encode`` has a data-dependent
-outlier count (an unbacked symbolic size under tracing).
+``torch.export`` can trace through a codec; every output size is fixed by the inputs
+(``int4_outlier_encode``'s outlier buffer has ``capacity`` slots), so none is data-dependent.
 
 Inputs of the encode ops are contiguous [rows, channels] tensors (``bitpack_encode``: flat);
 decode ops take the payload plus the sizes and dtype to rebuild (``[rows, channels]``; bitpack:
-flat ``[numel]``). Outputs never alias inputs. ``DIRECT[name]`` is the undecorated function of
+flat ``[numel]``). Outputs never alias inputs. The plain functions also take ``out=`` (decode
+into a given tensor); the ops are functional. ``DIRECT[name]`` is the undecorated function of
 ``torch.ops.adacc.<name>``: ``adacc_hf.codecs.dispatch`` calls it in eager mode on plain tensors
 (skipping a few microseconds of dispatcher overhead per call) and the op when compiling.
 """
@@ -91,10 +92,10 @@ def _(x, group_size):
     "int4_naive_decode",
     "(Tensor q, Tensor scale, int rows, int channels, int group_size, ScalarType dtype) -> Tensor",
 )
-def int4_naive_decode(q, scale, rows, channels, group_size, dtype):
+def int4_naive_decode(q, scale, rows, channels, group_size, dtype, out=None):
     from . import int4_naive
 
-    return int4_naive.decode(q, scale, rows, channels, group_size, dtype)
+    return int4_naive.decode(q, scale, rows, channels, group_size, dtype, out=out)
 
 
 @int4_naive_decode.register_fake
@@ -107,24 +108,26 @@ def _(q, scale, rows, channels, group_size, dtype):
 
 @_op(
     "int4_outlier_encode",
-    "(Tensor x, int group_size, float zscore_threshold) -> (Tensor, Tensor, Tensor, Tensor)",
+    "(Tensor x, int group_size, float zscore_threshold, int capacity) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
-def int4_outlier_encode(x, group_size, zscore_threshold):
+def int4_outlier_encode(x, group_size, zscore_threshold, capacity):
     from . import int4_outlier
 
-    return int4_outlier.encode(x, group_size, zscore_threshold)
+    return int4_outlier.encode(x, group_size, zscore_threshold, capacity)
 
 
 @int4_outlier_encode.register_fake
-def _(x, group_size, zscore_threshold):
+def _(x, group_size, zscore_threshold, capacity):
     rows, channels = x.shape
     group, padded = _padded(channels, group_size)
-    n = torch.library.get_ctx().new_dynamic_size()
+    k = capacity if channels >= 2 else 0
     return (
         _u8(x, _bytes(rows * padded)),
         _f32(x, rows, padded // group),
-        x.new_empty((rows, n)),
-        x.new_empty((n,), dtype=torch.int32),
+        x.new_empty((rows, k)),
+        x.new_empty((k,), dtype=torch.int32),
+        x.new_empty((), dtype=torch.int32),
     )
 
 
@@ -154,10 +157,10 @@ def _(x, idx, group_size):
     "(Tensor q, Tensor scale, Tensor values, Tensor idx, int rows, int channels, "
     "int group_size, ScalarType dtype) -> Tensor",
 )
-def int4_outlier_decode(q, scale, values, idx, rows, channels, group_size, dtype):
+def int4_outlier_decode(q, scale, values, idx, rows, channels, group_size, dtype, out=None):
     from . import int4_outlier
 
-    return int4_outlier.decode(q, scale, values, idx, rows, channels, group_size, dtype)
+    return int4_outlier.decode(q, scale, values, idx, rows, channels, group_size, dtype, out=out)
 
 
 @int4_outlier_decode.register_fake
@@ -188,10 +191,10 @@ def _(x):
     "int4_channel_decode",
     "(Tensor q, Tensor scale, int rows, int channels, ScalarType dtype) -> Tensor",
 )
-def int4_channel_decode(q, scale, rows, channels, dtype):
+def int4_channel_decode(q, scale, rows, channels, dtype, out=None):
     from . import int4_channel
 
-    return int4_channel.decode(q, scale, rows, channels, dtype)
+    return int4_channel.decode(q, scale, rows, channels, dtype, out=out)
 
 
 @int4_channel_decode.register_fake
@@ -222,10 +225,10 @@ def _(x):
     "int4_asym_decode",
     "(Tensor q, Tensor scale, Tensor offset, int rows, int channels, ScalarType dtype) -> Tensor",
 )
-def int4_asym_decode(q, scale, offset, rows, channels, dtype):
+def int4_asym_decode(q, scale, offset, rows, channels, dtype, out=None):
     from . import int4_asym
 
-    return int4_asym.decode(q, scale, offset, rows, channels, dtype)
+    return int4_asym.decode(q, scale, offset, rows, channels, dtype, out=out)
 
 
 @int4_asym_decode.register_fake
@@ -259,10 +262,10 @@ def _(x):
     "bitpack_decode",
     "(Tensor bits, Tensor scale, int numel, ScalarType dtype) -> Tensor",
 )
-def bitpack_decode(bits, scale, numel, dtype):
+def bitpack_decode(bits, scale, numel, dtype, out=None):
     from . import bitpack
 
-    return bitpack.decode(bits, scale, numel, dtype)
+    return bitpack.decode(bits, scale, numel, dtype, out=out)
 
 
 @bitpack_decode.register_fake
@@ -296,10 +299,10 @@ def _(x):
     "fp8_e4m3_decode",
     "(Tensor q, Tensor scale, ScalarType dtype) -> Tensor",
 )
-def fp8_e4m3_decode(q, scale, dtype):
+def fp8_e4m3_decode(q, scale, dtype, out=None):
     from . import fp8
 
-    return fp8.decode(q, scale, dtype)
+    return fp8.decode(q, scale, dtype, out=out)
 
 
 @fp8_e4m3_decode.register_fake

@@ -51,6 +51,7 @@ class ModelDataArguments:
     tiny_dropout: float = field(
         default=0.1, metadata={"help": "Dropout of the tiny models (0 for exact comparisons)."}
     )
+    tiny_layers: int = field(default=2, metadata={"help": "Transformer blocks of the tiny models."})
 
 
 class ByteTokenizer:
@@ -86,7 +87,11 @@ def _load(margs: ModelDataArguments, seed: int):
         pos = (
             {"max_position_embeddings": max_pos} if family == "llama" else {"n_positions": max_pos}
         )
-        return assets.tiny_model(family, seed=seed, **drop[family], **pos), ByteTokenizer()
+        depth = {"llama": "num_hidden_layers", "gpt2": "n_layer"}[family]
+        model = assets.tiny_model(
+            family, seed=seed, **drop[family], **pos, **{depth: margs.tiny_layers}
+        )
+        return model, ByteTokenizer()
     if margs.model == "smollm2":
         model, tokenizer = assets.load_smollm2()
         return model.train(), tokenizer

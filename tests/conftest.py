@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +40,17 @@ def grad_rel_error(grads, ref) -> float:
     return (diff.norm() / base.norm()).item()
 
 
+@pytest.fixture(scope="module")
+def frozen_gc():
+    """`activation_memory_report` runs a full `gc.collect()`, which scans every object torch and
+    transformers created at import (~0.5 s a call): a module that measures memory many times
+    freezes those first (objects created later are collected as usual)."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
@@ -48,3 +60,44 @@ def family(request):
 def tiny(family):
     model = assets.tiny_model(family)
     return model, assets.tiny_batch(family, model)
+
+
+# ---- the families report (README's table): ADACC_FAMILY_REPORT=path.json pytest tests/test_families.py
+_FAMILY_TESTS = "test_families.py::"
+_family_results: dict[str, dict] = {}
+
+
+def pytest_runtest_logreport(report):
+    if _FAMILY_TESTS not in report.nodeid or "[" not in report.nodeid:
+        return
+    test, family = report.nodeid.split("::")[-1][:-1].split("[", 1)
+    entry = _family_results.setdefault(family, {"tests": {}, "seconds": 0.0})
+    entry["seconds"] += report.duration
+    entry.update(dict(report.user_properties))
+    if hasattr(report, "wasxfail"):
+        entry["tests"][test] = "xfailed"
+        entry["reason"] = report.wasxfail
+    elif report.failed:
+        entry["tests"][test] = "failed"
+    elif report.when == "call" and test not in entry["tests"]:
+        entry["tests"][test] = report.outcome
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("ADACC_FAMILY_REPORT")
+    if not path or not _family_results:
+        return
+    import json
+    import platform
+
+    import transformers
+
+    report = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "families": {k: _family_results[k] for k in sorted(_family_results)},
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1, sort_keys=True)
+        f.write("\n")

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from adacc_hf import assets, get_adapter, supported_model_types, trace_model, uniform_policy
-from adacc_hf.adapters.base import classify_attention_ops
+import pytest
+from torch import nn
+
+from adacc_hf import (
+    UnsupportedModelError,
+    assets,
+    get_adapter,
+    supported_model_types,
+    trace_model,
+    uniform_policy,
+)
+from adacc_hf.adapters.base import classify_attention_ops, classify_experts_ops
 
 EXPECTED_GROUPS = {
     "llama": {"block": 2},
@@ -78,9 +88,68 @@ def test_attention_op_classification_by_position():
 
 
 def test_supported_types_include_the_four_families_and_llama_relatives():
-    assert {"llama", "gpt2", "t5", "bert", "mistral", "qwen2"} <= set(supported_model_types())
-    with pytest.raises(ValueError, match="supported model types"):
-        get_adapter("opt")
+    assert {"llama", "gpt2", "t5", "bert", "mistral", "qwen2", "opt"} <= set(
+        supported_model_types()
+    )
+    assert get_adapter("t5").name == "t5" and get_adapter("opt").name == "generic"
+
+
+def test_a_model_without_checkpointable_blocks_gets_an_error_saying_what_to_change():
+    class Plain(nn.Module):
+        config = SimpleNamespace(model_type="plain")
+
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4)])
+
+    with pytest.raises(UnsupportedModelError, match="GradientCheckpointingLayer") as e:
+        get_adapter(Plain())
+    assert "llama" in str(e.value)  # names what is supported
+
+
+@pytest.mark.parametrize(
+    ("family", "key", "layer_type"),
+    [
+        # the same names mean different things by where they sit
+        ("gpt2", "attn.c_proj/addmm#0", "attn_out"),
+        ("gpt2", "mlp.c_proj/addmm#0", "mlp_down"),
+        ("gpt2", "attn/_safe_softmax#0", "attn_probs"),
+        ("bert", "attention.output.dense/addmm#0", "attn_out"),
+        ("bert", "intermediate.dense/addmm#0", "mlp_up"),
+        ("bert", "output.dense/addmm#0", "mlp_down"),
+        ("bert", "output.LayerNorm/native_layer_norm#0", "norm"),
+        ("llama", "self_attn.q_proj/mm#0", "qkv"),
+        ("llama", "mlp.act_fn/silu#0", "act"),
+        ("llama", "mlp/mul#0", "elementwise"),  # act(gate) * up runs in the MLP's own code
+    ],
+)
+def test_generic_rules_type_ops_by_name_class_and_place(family, key, layer_type):
+    model = assets.tiny_model(family)
+    trace = trace_model(model, assets.tiny_batch(family, model))
+    types = {op.key: op.layer_type for op in trace.groups["block"].ops}
+    assert types[key] == layer_type
+
+
+def test_t5_position_bias_is_scored_as_attention():
+    model = assets.tiny_model("t5")
+    trace = trace_model(model, assets.tiny_batch("t5", model))
+    ops = trace.groups["encoder_first"].ops
+    bias = [o for o in ops if "relative_attention_bias" in o.key]
+    assert bias and all(o.layer_type == "attn_scores" for o in bias)
+
+
+def test_fused_experts_matmuls_alternate_up_and_down():
+    packets = ["sort", "index", "histc", "_grouped_mm", "silu", "mul", "_grouped_mm", "mul"]
+    assert classify_experts_ops(packets) == [
+        "elementwise",
+        "elementwise",
+        "elementwise",
+        "mlp_up",
+        "elementwise",
+        "elementwise",
+        "mlp_down",
+        "elementwise",
+    ]
 
 
 def test_dummy_batch_traces_without_user_data(family):

@@ -29,8 +29,11 @@ def test_remove_restores_the_model_exactly(tiny):
     before_dicts = {n: set(vars(m)) for n, m in model.named_modules()}
     policy = random_policy(model, batch, seed=2, kinds=("retain", "recompute", "compress"))
     handle = apply_adacc(model, policy)
-    assert _hooks(model) > 0
+    assert handle.runtimes and all(
+        "_gradient_checkpointing_func" in vars(rt.block) for rt in handle.runtimes.values()
+    )
     step(model, batch)
+    assert _hooks(model) == 0  # region hooks live only while a block builds its slot table
     handle.remove()
 
     assert _hooks(model) == 0
@@ -48,8 +51,9 @@ def test_remove_restores_the_model_exactly(tiny):
 def test_context_manager_form_removes_on_exit(tiny):
     model, batch = tiny
     with apply_adacc(model, uniform_policy(model, "recompute", batch)) as handle:
-        assert handle.active and _hooks(model) > 0
+        assert handle.active and handle.runtimes
     assert not handle.active and _hooks(model) == 0
+    assert all("_gradient_checkpointing_func" not in vars(m) for m in model.modules())
 
 
 def test_applying_twice_is_a_clear_error_and_reapply_after_remove_works(tiny):
@@ -88,6 +92,26 @@ def test_hf_gradient_checkpointing_already_on_is_refused(tiny):
     apply_adacc(model, policy).remove()
 
 
+def test_torch_compile_is_refused_with_a_clear_error(tiny):
+    """Compiled before adacc: refused at apply time. Compiled after: the first forward raises
+    (dynamo would otherwise fall back to running the blocks eagerly, silently)."""
+    model, batch = tiny
+    policy = uniform_policy(model, "compress", batch)
+    with pytest.raises(AdaccError, match="torch.compile.*docs/compile.md"):
+        apply_adacc(torch.compile(model, backend="eager"), policy)
+    with apply_adacc(model, policy):
+        compiled = torch.compile(model, backend="eager")
+        with pytest.raises(AdaccError, match="torch.compile"):
+            compiled(**batch)
+        step(model, batch)  # the uncompiled model still trains
+    model.compile(backend="eager")
+    try:
+        with pytest.raises(AdaccError, match="torch.compile"):
+            apply_adacc(model, policy)
+    finally:
+        model._compiled_call_impl = None
+
+
 def test_unsupported_model_names_the_supported_families():
     from transformers import OPTConfig, OPTForCausalLM
 
@@ -101,7 +125,9 @@ def test_unsupported_model_names_the_supported_families():
             word_embed_proj_dim=16,
         )
     )
-    with pytest.raises(UnsupportedModelError, match="'opt'.*bert, gpt2, llama"):
+    assert uniform_policy(opt, "recompute").groups  # the generic adapter runs it
+    opt.model.decoder.layers = torch.nn.ModuleList([torch.nn.Identity()])  # no checkpointable block
+    with pytest.raises(UnsupportedModelError, match="GradientCheckpointingLayer.*bert, bloom"):
         uniform_policy(opt, "recompute")
     with pytest.raises(UnsupportedModelError, match="no `config.model_type`"):
         uniform_policy(torch.nn.Linear(2, 2), "recompute")

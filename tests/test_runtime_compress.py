@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import grad_rel_error, step
@@ -11,7 +13,8 @@ from adacc_hf.codecs import get_codec
 
 # Upper bounds on ||g - g_ref|| / ||g_ref|| on the tiny random-init models when every op whose
 # default codec is this one is compressed (measured: see docs/accuracy.md). Random-init tiny models
-# are a worst case for INT4 (no averaging over wide layers); bitpack is lossless.
+# are a worst case for INT4 (no averaging over wide layers); bitpack (dropout masks, kept through
+# the runtime: see test_runtime_dropout.py) is lossless.
 GRAD_ERROR_BOUND = {"int4_outlier": 0.35, "int4_channel": 0.25, "int4_asym": 0.25, "bitpack": 0.0}
 
 
@@ -84,22 +87,40 @@ def test_naive_int4_everywhere_is_bounded_but_lossy(tiny):
     assert 0 < grad_rel_error(grads, ref_grads) < 0.4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_dropout_mask_packing_is_exact(dtype):
-    """Real dropout masks (the float 0-or-scale mask CPU dropout saves, and bool masks)."""
-    x = torch.randn(4, 33, 50, dtype=dtype, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        torch.manual_seed(0)
-        y = torch.nn.functional.dropout(x, p=0.3, training=True)
-    masks = [t for t in saved if t.shape == x.shape and t.dtype == dtype and not t.requires_grad]
-    assert masks, "CPU dropout saved no float mask"
-    codec = get_codec("bitpack")
-    for mask in masks:
-        enc = codec.encode(mask)
-        assert torch.equal(codec.decode(enc), mask)
-        assert enc.nbytes() <= mask.numel() // 8 + 1 + mask.element_size()
-    bool_mask = y != 0
-    assert torch.equal(codec.decode(codec.encode(bool_mask)), bool_mask)
-    _, mask = torch.ops.aten.native_dropout(x.detach(), 0.3, True)
-    assert torch.equal(codec.decode(codec.encode(mask)), mask)
+def test_fp8_runs_end_to_end_through_profiler_runtime_and_tracking():
+    """fp8_e4m3 (per-block scaled e4m3fn): profiled on the real activations, applied to every
+    saved activation through the runtime at exactly its predicted size, re-measured on a
+    tracking step; forward exact, gradients within fp8's error."""
+    from conftest import grad_rel_error
+
+    from adacc_hf import assets, profile_model
+    from adacc_hf.evolution import OutlierTracker
+    from adacc_hf.schema import CODEC_FOR_LAYER
+
+    model = assets.tiny_model("llama", hidden_size=256, intermediate_size=512)
+    batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=32)
+    _, ref_grads, ref_out = step(model, batch)
+    prof = profile_model(model, batch, codecs=["fp8_e4m3"], repeats=2)
+    fp8_ops = [o for g in prof.groups.values() for o in g.ops if "fp8_e4m3" in o.codecs]
+    assert fp8_ops and all(o.codecs["fp8_e4m3"].rel_error < 0.05 for o in fp8_ops)
+    policy = uniform_policy(
+        model, "compress", batch, codecs=dict.fromkeys(CODEC_FOR_LAYER, "fp8_e4m3")
+    )
+    fp8 = get_codec("fp8_e4m3")
+    with apply_adacc(model, policy) as handle:
+        step(model, batch)
+        tracker = OutlierTracker(prof)
+        handle.set_tracker(tracker)
+        _, grads, out = step(model, batch)
+        handle.set_tracker(None)
+        for rt in handle.runtimes.values():
+            for key, nbytes in rt.last_bytes.items():
+                op = policy.groups[rt.group].op(key)
+                if rt.actions[key].codec == "fp8_e4m3":
+                    main = math.prod(op.shape) * 4
+                    assert nbytes == fp8.predict_nbytes(op.shape, torch.float32) + op.nbytes - main
+    assert torch.equal(out.logits, ref_out.logits)
+    assert 0 < grad_rel_error(grads, ref_grads) < 0.05
+    new_prof, _ = tracker.apply(prof)
+    assert any(k[2] == "fp8_e4m3" for k in tracker.samples)
+    assert new_prof.groups.keys() == prof.groups.keys()

@@ -4,8 +4,10 @@ Outlier statistics move early in training and settle later, so tracking follows 
 backoff: tracking steps 1, 2, 4, 8, ... apart, up to `max_interval` (reset to 1 when the policy
 changes). On a tracking step the runtime hands every op that has a profiled codec to an
 `OutlierTracker` during that step's normal forward (no extra forward): the codec's encoded size and
-error are measured on the live activation of every checkpointed block. `apply` folds the means
-into a copy of the `Profile`, which the solver turns into the next policy.
+error are measured on the live activation of every checkpointed block. The errors and outlier
+counts stay on the device until the step is over and are read in one transfer (the training step
+itself never waits for the device). `apply` folds the means into a copy of the `Profile`, which
+the solver turns into the next policy.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from .codecs import Codec, get_codec, relative_error
+from .runtime.ops import cache_target
 from .schema import Profile
 
 
@@ -75,37 +78,52 @@ class OutlierTracker:
     def __init__(self, profile: Profile, max_samples: int = 256) -> None:
         self.max_samples = max_samples
         self.codecs: dict[tuple[str, str], list[Codec]] = {}
+        self.masks: set[tuple[str, str]] = set()
         for g in profile.groups.values():
             for op in g.ops:
                 if op.codecs:
                     self.codecs[(g.name, op.key)] = [
                         get_codec(c.codec, **c.params) for c in op.codecs.values()
                     ]
-        self.samples: dict[tuple[str, str, str], list[_Sample]] = defaultdict(list)
+                    if op.mask:
+                        self.masks.add((g.name, op.key))
+        self._samples: dict[tuple[str, str, str], list[_Sample]] = defaultdict(list)
+        self._counts: dict[tuple[str, str, str], int] = defaultdict(int)
+        # (key, encoded bytes, error, outlier count): device scalars, read in one transfer
+        self._pending: list[tuple[tuple[str, str, str], int, torch.Tensor, torch.Tensor, int]] = []
+
+    @property
+    def samples(self) -> dict[tuple[str, str, str], list[_Sample]]:
+        """Every measurement so far, per (group, op, codec); reading it waits for the device once
+        (the first read after a tracking step)."""
+        if self._pending:
+            errs = torch.stack([p[2] for p in self._pending]).tolist()
+            outl = torch.stack([p[3] for p in self._pending]).tolist()
+            for (key, nbytes, _, _, raw), err, n in zip(self._pending, errs, outl, strict=True):
+                self._samples[key].append(_Sample(nbytes, float(err), int(n), raw))
+            self._pending.clear()
+        return self._samples
 
     def observe(self, group: str, key: str, out: Any, encoded: Any = None) -> None:
-        """Measure the codecs of op `key` on its output `out` (reusing `encoded` if it matches)."""
+        """Measure the codecs of op `key` on its output `out` (reusing the runtime's `encoded`
+        payload when it is the same codec's). Queues device work only: nothing is read here."""
         codecs = self.codecs.get((group, key))
         if not codecs:
             return
-        x = out[0] if isinstance(out, (tuple, list)) else out
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        x = cache_target((group, key) in self.masks, out)
+        if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.dtype == torch.bool):
             return
         for codec in codecs:
-            if len(self.samples[(group, key, codec.name)]) >= self.max_samples:
+            k3 = (group, key, codec.name)
+            if self._counts[k3] >= self.max_samples or not codec.applicable(x):
                 continue
-            enc = getattr(encoded, "enc", None)
-            if enc is None or enc.codec != codec.name:
-                enc = codec.encode(x)
-            err = float(relative_error(x, codec.decode(enc)))
-            self.samples[(group, key, codec.name)].append(
-                _Sample(
-                    enc.nbytes(),
-                    err,
-                    int(enc.meta.get("n_outliers", 0)),
-                    x.numel() * x.element_size(),
-                )
-            )
+            self._counts[k3] += 1
+            enc = encoded if getattr(encoded, "codec", None) == codec.name else codec.encode(x)
+            err = relative_error(x, codec.decode(enc))
+            count = enc.meta.get("outlier_count")
+            if count is None:
+                count = torch.zeros((), dtype=torch.int32, device=x.device)
+            self._pending.append((k3, enc.nbytes(), err, count, x.numel() * x.element_size()))
 
     def apply(self, profile: Profile) -> tuple[Profile, list[str]]:
         """A copy of `profile` with every observed codec's mean size (as a share of the op's

@@ -41,6 +41,7 @@ LAYER_TYPES: dict[str, str] = {
     "mlp_down": "MLP down projection",
     "dropout": "dropout (hidden states)",
     "elementwise": "residual adds, gating and other glue",
+    "router": "mixture-of-experts router: gate logits, routing probabilities, top-k choice",
 }
 
 #: The attention core: what Megatron-style selective recompute recomputes.
@@ -64,6 +65,12 @@ CODEC_FOR_LAYER: dict[str, str] = {
     "dropout": "int4_outlier",
     "elementwise": "int4_outlier",
 }
+
+#: Layer types whose cacheable outputs every policy retains (never recomputes nor compresses): an
+#: MoE router recomputed in backward from inputs a codec altered can pick other experts than it did
+#: in forward, and the gradients then belong to another computation. Router outputs are small
+#: (tokens x experts), and the top-k choice recomputed from retained probabilities is exact.
+ALWAYS_RETAIN = frozenset({"router"})
 
 FLOAT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
 #: Outputs smaller than this (per-row statistics, scalars) are never compressed.
@@ -139,9 +146,12 @@ RETAIN = Action("retain")
 class OpSpec:
     """One op of a block, as traced: its key, what it is, and what its output is.
 
-    ``aten`` (the op overload, e.g. ``"aten.mm.default"``) and ``dtype`` form the op's signature:
-    the runtime checks it before acting on an op, so a policy never acts on another op that took
-    this one's key (a block traced with one op more or fewer, a different attention path).
+    ``aten`` (the op overload, e.g. ``"aten.mm.default"``), ``dtype`` and ``shape_class`` (the
+    rank of each tensor output, e.g. ``"4,3"``) form the op's signature: the runtime checks it
+    before acting on an op, so a policy never acts on another op that took this one's key (a
+    block traced with one op more or fewer, a different attention path). ``mask``: the op makes
+    a random keep-mask (``native_dropout``'s bool mask, or a tensor an RNG op fills in place, as
+    CPU dropout does) that ``bitpack`` stores at 1 bit per element; the runtime replays the RNG.
     """
 
     key: str
@@ -150,16 +160,18 @@ class OpSpec:
     dtype: str
     nbytes: int
     saved: bool  # autograd keeps this output for backward when nothing is checkpointed
-    cacheable: bool  # False for outputs that are mutated in place or come from an RNG op
+    cacheable: bool  # False for outputs that are mutated in place after being read
     aten: str = ""  # the op overload ("" in policies written before signatures existed)
+    shape_class: str = ""  # ranks of the tensor outputs ("" in older policies)
+    mask: bool = False  # a random keep-mask (see above)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape) if self.shape else 1
 
     @property
-    def signature(self) -> tuple[str, str]:
-        return (self.aten, self.dtype)
+    def signature(self) -> tuple[str, str, str]:
+        return (self.aten, self.dtype, self.shape_class)
 
     def to_json(self) -> dict[str, Any]:
         d = {
@@ -173,6 +185,10 @@ class OpSpec:
         }
         if self.aten:
             d["aten"] = self.aten
+        if self.shape_class:
+            d["shape_class"] = self.shape_class
+        if self.mask:
+            d["mask"] = True
         return d
 
     @classmethod
@@ -186,14 +202,19 @@ class OpSpec:
             saved=bool(obj["saved"]),
             cacheable=bool(obj["cacheable"]),
             aten=str(obj.get("aten", "")),
+            shape_class=str(obj.get("shape_class", "")),
+            mask=bool(obj.get("mask", False)),
         )
 
 
 def codec_candidates(op: OpSpec, allowed: Iterable[str] | None = None) -> list[str]:
     """Names of the codecs that may compress ``op``'s output: none for small outputs (statistics,
-    scalars) and non-float dtypes, ``bitpack`` for bool masks, else the layer type's own codec or
-    every ``allowed`` codec. The one rule the profiler and the policy builders share."""
-    if op.dtype == "torch.bool":
+    scalars) and non-float dtypes, ``bitpack`` for bool and random masks, else the layer type's
+    own codec or every ``allowed`` codec (none for `ALWAYS_RETAIN` layer types). The one rule the
+    profiler and the policy builders share."""
+    if op.layer_type in ALWAYS_RETAIN:
+        return []
+    if op.dtype == "torch.bool" or op.mask:
         return ["bitpack"]
     if op.dtype not in FLOAT_DTYPES:
         return []
@@ -363,6 +384,9 @@ class GroupProfile:
     forward_transient_nbytes: int = 0  # peak of a checkpointed block's forward above its start
     plain_forward_transient_nbytes: int = 0  # the same for a block without checkpointing
     full_interior_nbytes: int = 0  # held by a plain block followed by a plain one (0: unknown)
+    # runtime overhead of a checkpointed block that caches any op: every aten op of its forward
+    # and recompute crossing the runtime's dispatch modes (measured; 0 in older profiles)
+    dispatch_ms: float = 0.0
 
 
 @dataclass

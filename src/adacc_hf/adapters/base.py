@@ -1,8 +1,10 @@
-"""What an adapter knows about one model family: where its blocks are and what each op is.
+"""What an adapter knows about a model: where its blocks are and what each op inside a block is.
 
-An adapter finds the transformer blocks of a model (grouped by structure: blocks in a group run the
-same op sequence, so one per-op table serves them all) and gives every submodule of a block a layer
-type. The layer type of an aten op inside a block selects its codec family (see `CODEC_FOR_LAYER`).
+An adapter finds the transformer blocks of a model, groups them by structure (blocks in a group
+run the same op sequence, so one per-op table serves them all) and gives every submodule of a
+block a layer type. The layer type of an aten op inside a block selects its codec family (see
+`CODEC_FOR_LAYER`). `Adapter` holds the mechanics shared by every adapter (role map -> per-op
+layer types); `generic.GenericAdapter` reads blocks, groups and roles off any transformers model.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..schema import ATTENTION_CORE, CODEC_FOR_LAYER, LAYER_TYPES
+from .rules import Roles
 
 __all__ = [
     "ATTENTION_CORE",
@@ -20,11 +23,14 @@ __all__ = [
     "Adapter",
     "BlockGroup",
     "classify_attention_ops",
+    "classify_experts_ops",
 ]
 
 # aten packets that start the attention core: the scores matmul (or a fused kernel).
 _MATMUL_PACKETS = frozenset({"bmm", "mm", "matmul", "baddbmm"})
 _SOFTMAX_PACKETS = frozenset({"_softmax", "softmax", "_safe_softmax"})
+# Matmuls of a fused experts module (eager loop: mm per expert; batched_mm: bmm; grouped_mm).
+_EXPERT_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm"})
 
 
 def is_fused_attention(packet: str) -> bool:
@@ -67,6 +73,22 @@ def classify_attention_ops(packets: list[str]) -> list[str]:
     return types
 
 
+def classify_experts_ops(packets: list[str]) -> list[str]:
+    """Layer types for the ops run by a fused experts module's own code, in execution order.
+
+    Its matmuls alternate up (gate / up projection) and down; everything else (token sorting and
+    gathering, gating products, weighting by the router) is `elementwise`.
+    """
+    types, n = [], 0
+    for p in packets:
+        if p in _EXPERT_MATMULS:
+            types.append("mlp_up" if n % 2 == 0 else "mlp_down")
+            n += 1
+        else:
+            types.append("elementwise")
+    return types
+
+
 @dataclass
 class BlockGroup:
     """Blocks that share one structure (and therefore one per-op table)."""
@@ -74,73 +96,79 @@ class BlockGroup:
     name: str
     paths: list[str]
     modules: list[nn.Module] = field(repr=False)
+    roles: Roles = field(default_factory=lambda: Roles({}, (), (), ()), repr=False)
 
 
-@dataclass(frozen=True)
 class Adapter:
-    """Describes one model family.
+    """Finds a model's blocks, groups them, and names the layer type of every op in a block.
 
-    `roles` maps a submodule path inside a block (exact, relative to the block) to a layer type;
-    unlisted submodules inherit their parent's type, and code that runs in no listed submodule is
-    `elementwise`. `attention` lists the attention modules whose own code holds the attention core.
+    Subclasses implement `find_blocks`, `signature`, `group_names` and `roles`. `layer_types`
+    turns a group's role map into per-op types: ops in a submodule take its type (or its nearest
+    typed ancestor's; ``elementwise`` when none), ops in an attention module's own code are typed
+    by position (`classify_attention_ops`), those of fused MoE experts by their matmuls.
     """
 
-    name: str
-    model_types: tuple[str, ...]
-    block_classes: tuple[str, ...]
-    roles: dict[str, str]
-    attention: tuple[str, ...]
-    version: int = 1
+    name = "adapter"
+    version = 2
 
     def find_blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """All transformer blocks of `model`, in forward order, with their module paths.
+        """All transformer blocks of `model`, in forward order, with their module paths."""
+        raise NotImplementedError
 
-        Classes match through their bases too: FSDP2's `fully_shard` swaps a block's class for a
-        subclass (`FSDPLlamaDecoderLayer`)."""
-        blocks = [
-            (name, mod)
-            for name, mod in model.named_modules()
-            if any(c.__name__ in self.block_classes for c in type(mod).__mro__)
-        ]
-        return blocks
+    def signature(self, path: str, block: nn.Module) -> tuple:
+        """Blocks with equal signatures run the same op sequence and form one group."""
+        raise NotImplementedError
 
-    def group_key(self, path: str, index: int, module: nn.Module) -> str:
-        """The group a block belongs to. Families whose blocks differ override this."""
-        return "block"
+    def group_names(self, signatures: list[tuple], blocks: list[nn.Module]) -> list[str]:
+        """One name per distinct signature (in order of first appearance)."""
+        raise NotImplementedError
+
+    def roles(self, block: nn.Module) -> Roles:
+        raise NotImplementedError
+
+    def check(self, model: nn.Module) -> None:
+        """Raise `UnsupportedModelError` (saying what to change) if the model cannot run."""
 
     def block_groups(self, model: nn.Module) -> list[BlockGroup]:
+        blocks = self.find_blocks(model)
+        sigs = [self.signature(p, m) for p, m in blocks]
+        distinct = list(dict.fromkeys(sigs))
+        firsts = [blocks[sigs.index(s)][1] for s in distinct]
+        names = dict(zip(distinct, self.group_names(distinct, firsts), strict=True))
         groups: dict[str, BlockGroup] = {}
-        for i, (path, mod) in enumerate(self.find_blocks(model)):
-            key = self.group_key(path, i, mod)
-            g = groups.setdefault(key, BlockGroup(key, [], []))
+        for (path, mod), sig in zip(blocks, sigs, strict=True):
+            g = groups.get(names[sig])
+            if g is None:
+                g = groups[names[sig]] = BlockGroup(names[sig], [], [], self.roles(mod))
             g.paths.append(path)
             g.modules.append(mod)
         return list(groups.values())
 
-    def roles_for(self, group: str) -> dict[str, str]:
-        """The role map of a block group (families whose groups differ override this)."""
-        return self.roles
-
-    def region_type(self, region: str, group: str) -> str:
+    def region_type(self, region: str, group: BlockGroup) -> str:
         """Layer type of the code running in submodule `region` ('' is the block's own code)."""
-        roles = self.roles_for(group)
+        types = group.roles.types
         probe = region
         while probe:
-            if probe in roles:
-                return roles[probe]
+            if probe in types:
+                return types[probe]
             probe = probe.rpartition(".")[0]
         return "elementwise"
 
-    def layer_types(self, ops: list[tuple[str, str]], group: str) -> list[str]:
+    def layer_types(self, ops: list[tuple[str, str]], group: BlockGroup) -> list[str]:
         """Layer type of each (region, aten packet) op of one block, in execution order."""
         out = [""] * len(ops)
-        by_attention: dict[str, list[int]] = {}
+        special: dict[str, list[int]] = {}
+        kinds = dict.fromkeys(group.roles.attention, "attention")
+        kinds.update(dict.fromkeys(group.roles.experts, "experts"))
         for i, (region, _packet) in enumerate(ops):
-            if region in self.attention:
-                by_attention.setdefault(region, []).append(i)
+            if region in kinds:
+                special.setdefault(region, []).append(i)
             else:
                 out[i] = self.region_type(region, group)
-        for idx in by_attention.values():
-            for i, t in zip(idx, classify_attention_ops([ops[i][1] for i in idx]), strict=True):
+        for region, idx in special.items():
+            classify = (
+                classify_attention_ops if kinds[region] == "attention" else classify_experts_ops
+            )
+            for i, t in zip(idx, classify([ops[i][1] for i in idx]), strict=True):
                 out[i] = t
         return out

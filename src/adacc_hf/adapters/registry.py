@@ -1,4 +1,4 @@
-"""Adapters by `config.model_type`."""
+"""`get_adapter`: a family override where the generic rules need one, else the generic adapter."""
 
 from __future__ import annotations
 
@@ -6,17 +6,18 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .base import Adapter
-from .bert import BERT
-from .gpt2 import GPT2
-from .llama import LLAMA
+from .generic import VERIFIED_MODEL_TYPES, GenericAdapter
 from .t5 import T5
 
-ADAPTERS: tuple[Adapter, ...] = (LLAMA, GPT2, T5, BERT)
-_BY_MODEL_TYPE = {mt: a for a in ADAPTERS for mt in a.model_types}
+GENERIC = GenericAdapter()
+#: Family overrides by `config.model_type` (only where the generic adapter would be wrong).
+OVERRIDES: dict[str, Adapter] = {"t5": T5}
 
 
 def supported_model_types() -> list[str]:
-    return sorted(_BY_MODEL_TYPE)
+    """The model types verified end to end; any model whose blocks are transformers'
+    `GradientCheckpointingLayer`s runs through the generic adapter."""
+    return sorted(VERIFIED_MODEL_TYPES)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -35,25 +36,21 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def get_adapter(model_or_type: nn.Module | str) -> Adapter:
-    """The adapter for a model (or a `config.model_type` string).
+    """The adapter for a model (or a `config.model_type` string): the family's override if it
+    has one, else the generic adapter.
 
-    Raises `UnsupportedModelError` naming the supported model types.
+    Given a model, checks that it can run (raises `UnsupportedModelError` saying what to change).
     """
     if isinstance(model_or_type, str):
-        model_type = model_or_type
-    else:
-        config = getattr(unwrap_model(model_or_type), "config", None)
-        model_type = getattr(config, "model_type", None)
-        if model_type is None:
-            raise UnsupportedModelError(
-                f"{type(model_or_type).__name__} has no `config.model_type`: adacc-hf patches "
-                f"HuggingFace transformers models of types {', '.join(supported_model_types())}."
-            )
-    adapter = _BY_MODEL_TYPE.get(model_type)
-    if adapter is None:
+        return OVERRIDES.get(model_or_type, GENERIC)
+    base = unwrap_model(model_or_type)
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type is None:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported by adacc-hf; supported model types: "
-            f"{', '.join(supported_model_types())}. Use one of those families, or add an adapter "
-            "in adacc_hf/adapters/."
+            f"{type(base).__name__} has no `config.model_type`: adacc-hf patches transformers "
+            "models whose blocks are GradientCheckpointingLayers (verified: "
+            f"{', '.join(supported_model_types())})."
         )
+    adapter = OVERRIDES.get(model_type, GENERIC)
+    adapter.check(base)
     return adapter

@@ -4,12 +4,26 @@ Conventions shared by every codec (the Triton kernels must follow them bit for b
 
 * "channels" are the LAST dimension of the input, "rows" are all other dims flattened
   (a 0-dim tensor is one row of one channel). Row-major order throughout.
+* Memory order: a dense input whose leading dims are permuted in memory (e.g. the output of
+  ``clone()`` of a transposed tensor) is encoded in its memory order, without a copy: rows are
+  taken in the order they lie in memory (``Encoded.order`` records the permutation) and decode
+  returns a view with the input's strides. Per-row and per-channel statistics do not depend on
+  the row order, so decoded values are the same either way (the outlier *selection* sums columns
+  in another order, see ``int4_outlier``). Inputs whose last dim is not innermost are copied.
 * Arithmetic is float32: the input is converted with ``x.to(torch.float32)`` (exact for
   fp16/bf16/fp32), divisions are IEEE round-to-nearest float32 divisions (use ``div_rn`` in
   Triton, not the approximate ``/``), ``round_half_even`` is ``torch.round``.
 * Decode computes in float32 and casts once to the original dtype (round to nearest even).
   Multiply and add are separately rounded float32 ops (no FMA contraction).
-* Non-finite inputs (inf/NaN) are not supported: the result is unspecified.
+* Non-finite inputs are encoded robustly, at the same size and without a host sync: every
+  *segment* (the elements that share one scale) takes its statistics over its finite elements
+  only. A segment holding an inf or NaN is *flagged*: its float32 scale is stored with the sign
+  bit set, its finite elements are quantised onto codes [-6, 6] (INT4: ``absmax / 6``, or
+  ``(max - min) / 12`` for the asymmetric codec; FP8: ``absmax / 224``; a zero scale becomes
+  ``FLT_MIN``, so markers times the scale stay infinite) and the freed codes mark the non-finite
+  ones: INT4 ``-8`` = -inf, ``7`` = +inf, ``-7`` = NaN;
+  FP8 ``-448`` = -inf, ``+448`` = +inf, NaN = NaN. Decoding restores them exactly (e.g. the
+  ``-inf`` of a masked attention score). Finite inputs give exactly the payloads they always did.
 
 INT4 nibble layout (:func:`pack_int4`): the int8 codes ``q`` in [-8, 7] are flattened
 (row-major) and stored as unsigned nibbles ``q + 8`` in 0..15. Element ``2i`` goes to the LOW
@@ -19,6 +33,7 @@ nibble of byte ``i`` and element ``2i + 1`` to the HIGH nibble. An odd count is 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Sequence
@@ -29,8 +44,12 @@ import torch
 from adacc_kernels.layout import group_layout
 
 from ..errors import AdaccError
+from . import dispatch
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+# Codes that mark non-finite elements in a flagged INT4 segment (finite ones use [-6, 6]).
+MARK_NEG_INF, MARK_NAN, MARK_POS_INF = -8, -7, 7
+FLAGGED_LEVELS = 6.0
 
 
 class CodecError(AdaccError, ValueError):
@@ -42,7 +61,9 @@ class Encoded:
     """A compressed tensor: payload tensors plus small python metadata.
 
     The payload never references the input tensor; every tensor is contiguous and lives on
-    the input's device. ``decode`` returns a tensor on the device of the payload.
+    the input's device. ``shape`` is the input's shape; ``order`` (None: row-major) is the
+    permutation of its dims that is row-major in memory, the layout the payload describes.
+    ``decode`` returns a tensor on the device of the payload, with the input's strides.
     """
 
     codec: str
@@ -50,6 +71,7 @@ class Encoded:
     dtype: torch.dtype
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
+    order: tuple[int, ...] | None = None
 
     def nbytes(self) -> int:
         """Exact payload size in bytes (python metadata not counted)."""
@@ -59,27 +81,85 @@ class Encoded:
     def device(self) -> torch.device:
         return next(iter(self.tensors.values())).device
 
+    @property
+    def stored_shape(self) -> torch.Size:
+        """The shape the payload describes (``shape`` with its dims in memory order)."""
+        if self.order is None:
+            return self.shape
+        return torch.Size(self.shape[d] for d in self.order)
+
+
+def memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """``x`` as a row-major tensor without copying when it is dense with its last dim innermost:
+    ``(x.permute(order), order)``; otherwise a contiguous copy and ``None``."""
+    if x.is_contiguous():
+        return x, None
+    if x.dim() >= 2 and x.stride(-1) == 1:
+        lead = sorted(range(x.dim() - 1), key=lambda d: -x.stride(d))
+        order = (*lead, x.dim() - 1)
+        view = x.permute(order)
+        if view.is_contiguous():
+            return view, order
+    return x.contiguous(), None
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return tuple(inv)
+
 
 class Codec:
-    """Base class of all activation codecs. Subclasses set ``name`` and ``lossless``."""
+    """Base class of all activation codecs. Subclasses set ``name`` and ``lossless`` and
+    implement ``_encode`` / ``_decode`` (the torch reference) on row-major inputs."""
 
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = False
     dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
 
     def encode(self, x: torch.Tensor) -> Encoded:
+        """Encode ``x`` (never syncs with the device; see the module doc for non-finite values)."""
+        self._check_input(x)
+        xm, order = memory_order(x.detach())
+        if dispatch.use_kernel(xm):
+            tensors, meta = dispatch.encode(self, xm)
+        else:
+            tensors, meta = self._encode(xm)
+        return Encoded(self.name, x.shape, x.dtype, tensors, meta, order)
+
+    def decode(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoded tensor (``out``, if given: a tensor of the input's shape, dtype and memory
+        layout, e.g. ``torch.empty_like(x)``, which is written and returned)."""
+        self._check_encoded(enc)
+        out_m = None
+        if out is not None:
+            out_m = out.permute(enc.order) if enc.order is not None else out
+            if out_m.shape != enc.stored_shape or out_m.dtype != enc.dtype:
+                raise CodecError(f"{self.name}: out has shape {tuple(out.shape)} / {out.dtype}")
+            if not out_m.is_contiguous():
+                raise CodecError(f"{self.name}: out must have the encoded tensor's memory layout")
+        if dispatch.use_kernel(enc.device):
+            y = dispatch.decode(self, enc, out_m)
+        else:
+            y = self._decode(enc).contiguous().reshape(enc.stored_shape)
+            if out_m is not None:
+                y = out_m.copy_(y)
+        if out is not None:
+            return out
+        return y.permute(_inverse(enc.order)) if enc.order is not None else y
+
+    def _encode(self, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise NotImplementedError
 
-    def decode(self, enc: Encoded) -> torch.Tensor:
+    def _decode(self, enc: Encoded) -> torch.Tensor:
         raise NotImplementedError
 
     def predict_nbytes(
         self, shape: Sequence[int], dtype: torch.dtype, n_outlier_channels: int = 0
     ) -> int:
-        """Exact ``encode(x).nbytes()`` for any ``x`` of this shape/dtype.
-
-        ``n_outlier_channels`` is only used by codecs with outlier channels; others ignore it.
-        """
+        """Exact ``encode(x).nbytes()`` for any ``x`` of this shape/dtype (payloads have fixed
+        sizes; ``n_outlier_channels`` is accepted for compatibility and ignored)."""
         raise NotImplementedError
 
     def params(self) -> dict[str, Any]:
@@ -195,45 +275,95 @@ def int4_nbytes(numel: int) -> int:
     return (numel + 1) // 2
 
 
-def quantize_sym(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``clamp(round_half_even(x / scale), -8, 7)`` as int8; where ``scale == 0``, q = 0.
+# -- non-finite handling (see the module docstring) ---------------------------------------
 
-    ``x`` float32, ``scale`` float32 broadcastable to ``x``.
+FLT_MIN = torch.finfo(torch.float32).tiny  # a flagged segment's smallest scale magnitude
+
+
+def finite_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Max of ``|x|`` over the finite elements along ``dim`` (0 where there are none)."""
+    return x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(dim=dim)
+
+
+def nonfinite_any(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Whether each segment along ``dim`` holds an inf or NaN (it is then flagged)."""
+    return ~torch.isfinite(x).all(dim=dim)
+
+
+def flagged_scale(
+    spread: torch.Tensor, flag: torch.Tensor, normal: float, flagged: float = FLAGGED_LEVELS
+) -> torch.Tensor:
+    """Per-segment float32 scale ``spread / normal`` (``spread / flagged``, at least FLT_MIN, with
+    the sign bit set, where ``flag``). The divisor is a device tensor, so the division is IEEE
+    on CUDA too (not a multiply by a reciprocal)."""
+    scale = spread / torch.where(flag, flagged, normal).to(torch.float32)
+    scale = torch.where(flag & (scale == 0), FLT_MIN, scale)
+    return torch.where(flag, -scale, scale)
+
+
+def quantize_sym(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``clamp(round_half_even(x / scale), -8, 7)`` as int8 (``scale`` >= 0, broadcastable).
+
+    A zero scale divides by 1 (its finite elements are all 0). Non-finite ``x`` become their
+    markers on the way: -inf and +inf clamp to -8 and 7, NaN becomes -7.
     """
-    zero = scale == 0
-    q = torch.round(x / torch.where(zero, torch.ones_like(scale), scale))
-    q = torch.where(zero, torch.zeros_like(q), q)
-    return q.clamp_(-8, 7).to(torch.int8)
+    q = torch.round(x / torch.where(scale == 0, 1.0, scale))
+    return q.clamp_(-8, 7).nan_to_num_(float(MARK_NAN)).to(torch.int8)
+
+
+@functools.cache
+def _code_values(device: torch.device) -> torch.Tensor:
+    """float32 [32]: the value of nibble ``n`` (``n - 8``), then of nibble ``n`` in a flagged
+    segment (markers: -inf, NaN, +inf)."""
+    flagged = [float(c) for c in range(-8, 8)]
+    flagged[0], flagged[1], flagged[15] = -math.inf, math.nan, math.inf
+    return torch.tensor([float(c) for c in range(-8, 8)] + flagged, device=device)
+
+
+def int4_values(nib: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """float32 code values of uint8 nibbles ``nib``; ``flag`` (broadcastable) marks flagged
+    segments, whose marker codes become -inf / NaN / +inf (times any finite scale)."""
+    idx = nib.to(torch.int32) + (flag.to(torch.int32) << 4)
+    return _code_values(nib.device).index_select(0, idx.reshape(-1)).reshape(idx.shape)
+
+
+def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` nibbles (``q + 8``, uint8) of packed INT4 codes, flat."""
+    if packed.dtype != torch.uint8 or packed.numel() != (numel + 1) // 2:
+        raise CodecError(
+            f"unpack_int4: expected {(numel + 1) // 2} uint8 bytes, "
+            f"got {packed.numel()} x {packed.dtype}"
+        )
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(-1)[:numel]
 
 
 def quantize_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT4 of float32 [rows, C] in groups of ``group_size`` along the last dim.
 
     The last dim is zero-padded to a multiple of the group (``group_size == 0``: whole row).
-    Per group ``scale = absmax / 7`` (float32). Returns (packed uint8 of the padded
-    [rows, Cp] codes, scale [rows, Cp // group]).
+    Per group ``scale = absmax / 7`` (float32; flagged groups ``absmax / 6``, sign bit set).
+    Returns (packed uint8 of the padded [rows, Cp] codes, scale [rows, Cp // group]).
     """
     rows, channels = x.shape
     group, padded = group_layout(channels, group_size)
     if padded != channels:
         x = torch.nn.functional.pad(x, (0, padded - channels))
     xg = x.reshape(rows, padded // group, group)
-    amax = xg.abs().amax(dim=-1)
-    # Divide by a tensor on the device: CUDA turns division by a Python scalar into a multiply
-    # by its float32 reciprocal (not the IEEE division the convention above requires).
-    scale = amax / amax.new_full((), 7.0)
-    q = quantize_sym(xg, scale.unsqueeze(-1))
+    flag = nonfinite_any(xg, -1)
+    scale = flagged_scale(finite_absmax(xg, -1), flag, 7.0)
+    q = quantize_sym(xg, scale.abs().unsqueeze(-1))
     return pack_int4(q), scale.contiguous()
 
 
 def dequantize_groups(
     packed: torch.Tensor, scale: torch.Tensor, channels: int, group_size: int
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_groups`: float32 [rows, channels] = q * scale."""
+    """Inverse of :func:`quantize_groups`: float32 [rows, channels] = q * |scale|."""
     rows, n_groups = scale.shape
     group, padded = group_layout(channels, group_size)
-    q = unpack_int4(packed, rows * padded).reshape(rows, n_groups, group)
-    x = q.to(torch.float32) * scale.unsqueeze(-1)
+    nib = unpack_nibbles(packed, rows * padded).reshape(rows, n_groups, group)
+    s = scale.unsqueeze(-1)
+    x = int4_values(nib, torch.signbit(s)) * s.abs()
     return x.reshape(rows, padded)[:, :channels]
 
 
@@ -244,10 +374,18 @@ def groups_nbytes(rows: int, channels: int, group_size: int) -> int:
 
 # -- judging an encoding ------------------------------------------------------------------
 
+_ARITH_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
 
 def payload_finite(enc: Encoded) -> bool:
-    """True when every float payload tensor (scales, offsets, exact outliers) is finite."""
-    return all(bool(torch.isfinite(t).all()) for t in enc.tensors.values() if t.is_floating_point())
+    """True when every float payload tensor (scales, offsets, exact outliers) is finite.
+
+    Syncs with the device: for profiling and tests, never on the training path (codecs encode
+    non-finite inputs robustly). FP8 codes are not checked (torch has no ``isfinite`` for them).
+    """
+    return all(
+        bool(torch.isfinite(t).all()) for t in enc.tensors.values() if t.dtype in _ARITH_FLOATS
+    )
 
 
 def sentinel_limit(dtype: torch.dtype) -> float:
@@ -267,15 +405,21 @@ def relative_error(x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
     rectifier alike).
 
     Sentinel entries (``-inf`` / ``finfo.min`` masks in attention scores, anything beyond a
-    quarter of the dtype's range) are left out: they dwarf the real values, so an error measured
-    with them says nothing about what the mask leaves visible (which a codec may ruin). 0 for an
-    exact round trip of an all-zero tensor, inf for a non-finite result.
+    quarter of the dtype's range) are left out of the norms: they dwarf the real values, so an
+    error measured with them says nothing about what the mask leaves visible (which a codec may
+    ruin). 0 for an exact round trip of an all-zero tensor; inf when a non-finite element of
+    ``x`` is not restored exactly (same infinity, or NaN) or a finite one decodes to a
+    non-finite value.
     """
     xf = x.detach().float()
+    df = decoded.detach().float()
+    finite = torch.isfinite(xf)
     regular = xf.abs() < sentinel_limit(x.dtype)
-    zero = xf.new_zeros(())
-    diff = torch.linalg.vector_norm(torch.where(regular, decoded.detach().float() - xf, zero))
-    base = torch.linalg.vector_norm(torch.where(regular, xf, zero))
+    same = (xf == df) | (torch.isnan(xf) & torch.isnan(df))
+    broken = torch.where(finite, regular & ~torch.isfinite(df), ~same).any()
+    diff = torch.linalg.vector_norm(torch.where(regular, df - xf, 0.0))
+    base = torch.linalg.vector_norm(torch.where(regular, xf, 0.0))
     err = diff / base
     err = torch.where(base == 0, torch.where(diff == 0, 0.0, torch.inf), err)
+    err = torch.where(broken, torch.inf, err)
     return torch.nan_to_num(err, nan=torch.inf, posinf=torch.inf)

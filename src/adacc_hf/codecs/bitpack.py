@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import dispatch
-from .base import FLOAT_DTYPES, Codec, CodecError, Encoded, register
+from .base import FLOAT_DTYPES, Codec, Encoded, register
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -19,7 +18,8 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     if pad:
         b = torch.cat([b, b.new_zeros(pad)])
     w = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=b.device)
-    return (b.reshape(-1, 8) * w).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+    # at most 255 per byte: the sum fits uint8 (and the payload comes from a plain aten op)
+    return (b.reshape(-1, 8) * w).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -28,40 +28,40 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel].bool()
 
 
+def mask_scale(x: torch.Tensor) -> torch.Tensor:
+    """The 0-dim ``keep_scale`` of a float 0-or-scale mask, found without a host sync: the
+    first nonzero value (0 when there is none), or NaN when ``x`` is not such a mask (two
+    distinct nonzero values, a NaN, or a ``-0.0``)."""
+    flat = x.reshape(-1)
+    nz = flat != 0
+    first = flat.index_select(0, torch.argmax(nz.to(torch.uint8)).reshape(1)).reshape(())
+    scale = torch.where(nz.any(), first, torch.zeros((), dtype=x.dtype, device=x.device))
+    bad = (nz & (flat != scale)).any() | (~nz & torch.signbit(flat)).any()
+    return torch.where(bad, torch.full_like(scale, torch.nan), scale)
+
+
 @register
 class BitpackCodec(Codec):
     """Lossless: bool masks, or float masks whose values are +0.0 or one common ``keep_scale``.
 
     Payload: ``bits`` uint8 [ceil(n / 8)] (bit set = nonzero) and, for float masks, ``scale``:
     a 0-dim tensor of the original dtype holding ``keep_scale`` (0 when nothing is kept).
-    Decoding is bit exact. ``-0.0`` and non-mask values raise :class:`CodecError`.
+    Decoding is bit exact. A float input that is not such a mask (``-0.0``, NaN, more than one
+    nonzero value) gets ``scale = NaN``: its kept elements decode to NaN, loudly wrong instead
+    of silently (checking on the host would cost a device sync per encode).
     """
 
     name = "bitpack"
     lossless = True
     dtypes = (torch.bool, *FLOAT_DTYPES)
 
-    def encode(self, x: torch.Tensor) -> Encoded:
-        self._check_input(x)
-        if dispatch.use_kernel(x):
-            return dispatch.encode(self, x)
+    def _encode(self, x: torch.Tensor) -> tuple[dict, dict]:
         if x.dtype == torch.bool:
-            return Encoded(self.name, x.shape, x.dtype, {"bits": pack_bits(x)}, {})
-        nz = x != 0
-        vals = x[nz]
-        scale = vals[0] if vals.numel() else x.new_zeros(())
-        if not bool((vals == scale).all()):  # also rejects NaN
-            raise CodecError("bitpack needs a 0-or-scale mask (found >1 distinct nonzero value)")
-        if bool(torch.signbit(x[~nz]).any()):
-            raise CodecError("bitpack needs a 0-or-scale mask (found -0.0)")
-        tensors = {"bits": pack_bits(nz), "scale": scale.clone().contiguous()}
-        return Encoded(self.name, x.shape, x.dtype, tensors, {})
+            return {"bits": pack_bits(x)}, {}
+        return {"bits": pack_bits(x != 0), "scale": mask_scale(x).contiguous()}, {}
 
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        self._check_encoded(enc)
-        if dispatch.use_kernel(enc.device):
-            return dispatch.decode(self, enc)
-        bits = unpack_bits(enc.tensors["bits"], enc.shape.numel()).reshape(enc.shape)
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        bits = unpack_bits(enc.tensors["bits"], enc.shape.numel())
         if enc.dtype == torch.bool:
             return bits
         scale = enc.tensors["scale"]

@@ -18,12 +18,13 @@ Mode (:func:`kernel_mode`): :func:`set_kernel_mode` / :func:`kernel_mode_overrid
 What runs where on the kernel path: quantisation, packing, statistics (absmax / min-max /
 column sums), the ``int4_outlier`` channel selection (z-scores of the column sums), outlier
 gather and scatter, bit packing and FP8 conversion run in Triton. Still in torch: allocating
-outputs, reshaping to [rows, channels] (a copy only for non-contiguous inputs), the
-few-element reductions that turn a float dropout mask's per-program statistics into its scale,
-and the host checks that need a sync (the outlier count, bitpack mask validation). The one
-result that can differ from the reference: the selection sums columns in another order than
-``torch.sum``, so a channel within float32 rounding of the z-score threshold may be classified
-differently (given the same channels, payloads are bit-identical).
+outputs, the few-element reductions that turn a float dropout mask's per-program statistics
+into its scale, and the top-k that fills ``int4_outlier``'s fixed-size outlier buffer from the
+kernel's z-scores. Nothing waits for the device: payload sizes never depend on the data. Inputs
+arrive in memory order (``base.memory_order``), so reshaping to [rows, channels] never copies.
+The one result that can differ from the reference: the selection sums columns in another order
+than ``torch.sum``, so a channel within float32 rounding of the z-score threshold may be
+classified differently (given the same channels, payloads are bit-identical).
 
 Eager calls go straight to the launch functions; under ``torch.compile`` (or for tensor
 subclasses such as fake tensors) the ``torch.ops.adacc.*`` custom ops are called instead.
@@ -34,17 +35,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import AdaccError
-from .base import Encoded, rows_channels
 
-if TYPE_CHECKING:
-    from .base import Codec
+# Codecs and payloads are passed in by ``codecs.base`` (which imports this module): here they
+# are duck-typed, so this module imports nothing from it.
+Codec = Encoded = Any
 
 __all__ = [
     "ENV_VAR",
@@ -139,22 +141,34 @@ def use_kernel(x: torch.Tensor | torch.device) -> bool:
     return True
 
 
-# -- codec glue: Encoded <-> custom ops ---------------------------------------------------
+# -- codec glue: payloads <-> custom ops ---------------------------------------------------
 
 
-def _call(op: str, like: torch.Tensor, *args: Any) -> Any:
+def _call(op: str, like: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """Run kernel op ``op``: through ``torch.ops.adacc`` when tracing / compiling (or for tensor
-    subclasses such as fake tensors), else the plain launch function (no dispatcher overhead)."""
+    subclasses such as fake tensors), else the plain launch function (no dispatcher overhead;
+    only it takes ``out=``, the op's result is copied into ``out`` instead)."""
     from adacc_kernels import ops  # registers torch.ops.adacc.* on first import
 
     if type(like) is torch.Tensor and not torch.compiler.is_compiling():
-        return ops.DIRECT[op](*args)
-    return getattr(torch.ops.adacc, op)(*args)
+        return ops.DIRECT[op](*args, **kwargs)
+    res = getattr(torch.ops.adacc, op)(*args)
+    out = kwargs.get("out")
+    return res if out is None else out.copy_(res.reshape(out.shape))
+
+
+def _rows_channels(shape: Any) -> tuple[int, int]:
+    channels = int(shape[-1]) if len(shape) > 0 else 1
+    return math.prod(shape) // channels, channels
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    rows, channels = rows_channels(x.shape)
-    return x.detach().reshape(rows, channels).contiguous()
+    """x (row-major) as [rows, channels]: a view, never a copy."""
+    return x.reshape(_rows_channels(x.shape))
+
+
+def _out2d(out: torch.Tensor | None) -> torch.Tensor | None:
+    return None if out is None else out.view(_rows_channels(out.shape))
 
 
 def _enc_int4_naive(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
@@ -162,37 +176,27 @@ def _enc_int4_naive(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
     return {"q": q, "scale": scale}, {}
 
 
-def _dec_int4_naive(codec: Any, enc: Encoded) -> torch.Tensor:
+def _dec_int4_naive(codec: Any, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
     t = enc.tensors
-    rows, channels = rows_channels(enc.shape)
-    return _call(
-        "int4_naive_decode", t["q"], t["q"], t["scale"], rows, channels, codec.group_size, enc.dtype
-    )
+    rows, channels = _rows_channels(enc.stored_shape)
+    args = (t["q"], t["scale"], rows, channels, codec.group_size, enc.dtype)
+    return _call("int4_naive_decode", t["q"], *args, out=_out2d(out))
 
 
 def _enc_int4_outlier(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
-    q, scale, values, idx = _call(
-        "int4_outlier_encode", x, _rows(x), codec.group_size, codec.zscore_threshold
-    )
+    xr = _rows(x)
+    capacity = codec.capacity(xr.shape[1])
+    args = (xr, codec.group_size, codec.zscore_threshold, capacity)
+    q, scale, values, idx, count = _call("int4_outlier_encode", x, *args)
     tensors = {"q": q, "scale": scale, "outlier_values": values, "outlier_idx": idx}
-    return tensors, {"n_outliers": int(idx.numel())}
+    return tensors, {"outlier_count": count}
 
 
-def _dec_int4_outlier(codec: Any, enc: Encoded) -> torch.Tensor:
+def _dec_int4_outlier(codec: Any, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
     t = enc.tensors
-    rows, channels = rows_channels(enc.shape)
-    return _call(
-        "int4_outlier_decode",
-        t["q"],
-        t["q"],
-        t["scale"],
-        t["outlier_values"],
-        t["outlier_idx"],
-        rows,
-        channels,
-        codec.group_size,
-        enc.dtype,
-    )
+    rows, channels = _rows_channels(enc.stored_shape)
+    args = (t["q"], t["scale"], t["outlier_values"], t["outlier_idx"], rows, channels)
+    return _call("int4_outlier_decode", t["q"], *args, codec.group_size, enc.dtype, out=_out2d(out))
 
 
 def _enc_int4_channel(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
@@ -200,10 +204,11 @@ def _enc_int4_channel(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
     return {"q": q, "scale": scale}, {}
 
 
-def _dec_int4_channel(codec: Any, enc: Encoded) -> torch.Tensor:
-    rows, channels = rows_channels(enc.shape)
+def _dec_int4_channel(codec: Any, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
+    rows, channels = _rows_channels(enc.stored_shape)
     t = enc.tensors
-    return _call("int4_channel_decode", t["q"], t["q"], t["scale"], rows, channels, enc.dtype)
+    args = (t["q"], t["scale"], rows, channels, enc.dtype)
+    return _call("int4_channel_decode", t["q"], *args, out=_out2d(out))
 
 
 def _enc_int4_asym(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
@@ -211,32 +216,25 @@ def _enc_int4_asym(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
     return {"q": q, "scale": scale, "offset": offset}, {}
 
 
-def _dec_int4_asym(codec: Any, enc: Encoded) -> torch.Tensor:
-    rows, channels = rows_channels(enc.shape)
+def _dec_int4_asym(codec: Any, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
+    rows, channels = _rows_channels(enc.stored_shape)
     t = enc.tensors
-    return _call(
-        "int4_asym_decode", t["q"], t["q"], t["scale"], t["offset"], rows, channels, enc.dtype
-    )
+    args = (t["q"], t["scale"], t["offset"], rows, channels, enc.dtype)
+    return _call("int4_asym_decode", t["q"], *args, out=_out2d(out))
 
 
 def _enc_bitpack(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
-    from .base import CodecError
-
-    bits, scale, flags = _call("bitpack_encode", x, x.detach().reshape(-1).contiguous())
+    bits, scale, _flags = _call("bitpack_encode", x, x.reshape(-1))
     if x.dtype == torch.bool:
         return {"bits": bits}, {}
-    distinct, neg_zero = flags.tolist()
-    if distinct:
-        raise CodecError("bitpack needs a 0-or-scale mask (found >1 distinct nonzero value)")
-    if neg_zero:
-        raise CodecError("bitpack needs a 0-or-scale mask (found -0.0)")
-    return {"bits": bits, "scale": scale}, {}
+    return {"bits": bits, "scale": scale}, {}  # scale is NaN for a non-mask (see the codec)
 
 
-def _dec_bitpack(codec: Any, enc: Encoded) -> torch.Tensor:
+def _dec_bitpack(codec: Any, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
     bits = enc.tensors["bits"]
     scale = enc.tensors.get("scale", bits)  # bool masks have no scale; any tensor will do
-    return _call("bitpack_decode", bits, bits, scale, enc.shape.numel(), enc.dtype)
+    flat = None if out is None else out.view(-1)
+    return _call("bitpack_decode", bits, bits, scale, enc.shape.numel(), enc.dtype, out=flat)
 
 
 def _enc_fp8(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
@@ -244,10 +242,9 @@ def _enc_fp8(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
     return {"q": q, "scale": scale}, {}
 
 
-def _dec_fp8(codec: Any, enc: Encoded) -> torch.Tensor:
-    return _call(
-        "fp8_e4m3_decode", enc.tensors["q"], enc.tensors["q"], enc.tensors["scale"], enc.dtype
-    )
+def _dec_fp8(codec: Any, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
+    t = enc.tensors
+    return _call("fp8_e4m3_decode", t["q"], t["q"], t["scale"], enc.dtype, out=_out2d(out))
 
 
 _GLUE: dict[str, tuple[Callable[..., tuple[dict, dict]], Callable[..., torch.Tensor]]] = {
@@ -264,12 +261,13 @@ def has_kernel(codec_name: str) -> bool:
     return codec_name in _GLUE
 
 
-def encode(codec: Codec, x: torch.Tensor) -> Encoded:
-    """Kernel-path ``codec.encode(x)`` (input already validated by the codec)."""
-    tensors, meta = _GLUE[codec.name][0](codec, x)
-    return Encoded(codec.name, x.shape, x.dtype, tensors, meta)
+def encode(codec: Codec, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Kernel-path payload (tensors, meta) of a validated, row-major ``x``."""
+    return _GLUE[codec.name][0](codec, x)
 
 
-def decode(codec: Codec, enc: Encoded) -> torch.Tensor:
-    """Kernel-path ``codec.decode(enc)``: a tensor of ``enc.shape`` / ``enc.dtype``."""
-    return _GLUE[codec.name][1](codec, enc).reshape(enc.shape)
+def decode(codec: Codec, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Kernel-path decode: a tensor of ``enc.stored_shape`` / ``enc.dtype`` (written into
+    ``out``, a row-major tensor of that shape, when given)."""
+    y = _GLUE[codec.name][1](codec, enc, out)
+    return out if out is not None else y.reshape(enc.stored_shape)

@@ -6,15 +6,36 @@ accurate than INT4); the reference runs anywhere torch has ``torch.float8_e4m3fn
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 import torch
 
-from . import dispatch
-from .base import Codec, Encoded, as_rows_f32, register, rows_channels
+from .base import (
+    Codec,
+    Encoded,
+    as_rows_f32,
+    finite_absmax,
+    flagged_scale,
+    nonfinite_any,
+    register,
+    rows_channels,
+)
 
 BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_FLAGGED_MAX = 224.0  # finite values of a flagged block stay below the marker codes
+
+
+@functools.cache
+def _code_values(device: torch.device) -> torch.Tensor:
+    """float32 [512]: the value of each e4m3fn byte, then the same in a flagged block, where the
+    +-448 codes mean +-inf."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    values = values.to(torch.float32)
+    flagged = torch.where(values.abs() == FP8_MAX, values * math.inf, values)
+    return torch.cat([values, flagged]).to(device)
 
 
 @register
@@ -24,37 +45,42 @@ class Fp8E4m3Codec(Codec):
     ``q = float8_e4m3fn(clamp(x / scale, -448, 448))`` (round to nearest even, subnormals kept);
     ``scale == 0`` gives ``q = 0``. Decode ``float32(q) * scale``, one cast to the original
     dtype. Payload: ``q`` float8_e4m3fn [rows, C] (unpadded), ``scale`` float32
-    [rows, ceil(C / 128)].
+    [rows, ceil(C / 128)]. A block holding inf / NaN is flagged (``absmax / 224``, sign bit set):
+    there ``-448`` / ``+448`` / NaN codes mark -inf / +inf / NaN (see ``base``).
     """
 
     name = "fp8_e4m3"
     lossless = False
 
-    def encode(self, x: torch.Tensor) -> Encoded:
-        self._check_input(x)
-        if dispatch.use_kernel(x):
-            return dispatch.encode(self, x)
+    def _encode(self, x: torch.Tensor) -> tuple[dict, dict]:
         rows, channels = rows_channels(x.shape)
         n_blocks = -(-channels // BLOCK)
         xf = torch.nn.functional.pad(as_rows_f32(x), (0, n_blocks * BLOCK - channels))
         xb = xf.reshape(rows, n_blocks, BLOCK)
-        amax = xb.abs().amax(dim=-1)
-        scale = amax / amax.new_full((), FP8_MAX)  # a device tensor: true division on CUDA too
-        s = scale.unsqueeze(-1)
-        zero = s == 0
-        y = torch.where(zero, torch.zeros_like(xb), xb / torch.where(zero, torch.ones_like(s), s))
-        q = y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(rows, -1)
-        q = q[:, :channels].contiguous()
-        return Encoded(self.name, x.shape, x.dtype, {"q": q, "scale": scale.contiguous()}, {})
+        flag = nonfinite_any(xb, -1)
+        scale = flagged_scale(finite_absmax(xb, -1), flag, FP8_MAX, FP8_FLAGGED_MAX)
+        s = scale.abs().unsqueeze(-1)
+        # a zero scale divides by 1 (its finite elements are 0); +-inf clamp to the +-448
+        # markers, NaN stays NaN
+        y = (xb / torch.where(s == 0, 1.0, s)).clamp_(-FP8_MAX, FP8_MAX)
+        q = torch.ops.aten._to_copy.default(y, dtype=torch.float8_e4m3fn).reshape(rows, -1)
+        if n_blocks * BLOCK != channels:
+            q = q[:, :channels].clone(memory_format=torch.contiguous_format)
+        return {"q": q, "scale": scale.contiguous()}, {}
 
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        self._check_encoded(enc)
-        if dispatch.use_kernel(enc.device):
-            return dispatch.decode(self, enc)
-        _, channels = rows_channels(enc.shape)
-        scale = enc.tensors["scale"].repeat_interleave(BLOCK, dim=1)[:, :channels]
-        x = enc.tensors["q"].to(torch.float32) * scale
-        return x.to(enc.dtype).reshape(enc.shape)
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        rows, channels = rows_channels(enc.shape)
+        n_blocks = enc.tensors["scale"].shape[1]
+        q = torch.nn.functional.pad(
+            enc.tensors["q"].view(torch.uint8), (0, n_blocks * BLOCK - channels)
+        )
+        s = enc.tensors["scale"].unsqueeze(-1)
+        idx = q.reshape(rows, n_blocks, BLOCK).to(torch.int32) + (
+            torch.signbit(s).to(torch.int32) << 8
+        )
+        values = _code_values(q.device).index_select(0, idx.reshape(-1)).reshape(idx.shape)
+        x = (values * s.abs()).reshape(rows, -1)[:, :channels]
+        return x.to(enc.dtype)
 
     def predict_nbytes(
         self, shape: Sequence[int], dtype: torch.dtype, n_outlier_channels: int = 0

@@ -6,17 +6,20 @@ from collections.abc import Sequence
 
 import torch
 
-from . import dispatch
 from .base import (
     Codec,
     Encoded,
     as_rows_f32,
+    finite_absmax,
+    flagged_scale,
     int4_nbytes,
+    int4_values,
+    nonfinite_any,
     pack_int4,
     quantize_sym,
     register,
     rows_channels,
-    unpack_int4,
+    unpack_nibbles,
 )
 
 
@@ -26,28 +29,25 @@ class Int4ChannelCodec(Codec):
 
     ``q = clamp(round_half_even(x / scale), -8, 7)`` (so ``+8 * scale`` clips to 7);
     ``scale == 0`` gives q = 0. Decode ``q * scale``. Payload: ``q`` packed nibbles of the
-    [rows, C] codes, ``scale`` float32 [C].
+    [rows, C] codes, ``scale`` float32 [C]. A channel holding inf / NaN is flagged (``absmax /
+    6``, sign bit set; see ``base``).
     """
 
     name = "int4_channel"
     lossless = False
 
-    def encode(self, x: torch.Tensor) -> Encoded:
-        self._check_input(x)
-        if dispatch.use_kernel(x):
-            return dispatch.encode(self, x)
+    def _encode(self, x: torch.Tensor) -> tuple[dict, dict]:
         xf = as_rows_f32(x)
-        scale = xf.abs().amax(dim=0) / 8
-        q = pack_int4(quantize_sym(xf, scale))
-        return Encoded(self.name, x.shape, x.dtype, {"q": q, "scale": scale.contiguous()}, {})
+        flag = nonfinite_any(xf, 0)
+        scale = flagged_scale(finite_absmax(xf, 0), flag, 8.0)
+        q = quantize_sym(xf, scale.abs())
+        return {"q": pack_int4(q), "scale": scale.contiguous()}, {}
 
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        self._check_encoded(enc)
-        if dispatch.use_kernel(enc.device):
-            return dispatch.decode(self, enc)
+    def _decode(self, enc: Encoded) -> torch.Tensor:
         rows, channels = rows_channels(enc.shape)
-        q = unpack_int4(enc.tensors["q"], rows * channels).reshape(rows, channels)
-        return (q.to(torch.float32) * enc.tensors["scale"]).to(enc.dtype).reshape(enc.shape)
+        nib = unpack_nibbles(enc.tensors["q"], rows * channels).reshape(rows, channels)
+        s = enc.tensors["scale"]
+        return (int4_values(nib, torch.signbit(s)) * s.abs()).to(enc.dtype)
 
     def predict_nbytes(
         self, shape: Sequence[int], dtype: torch.dtype, n_outlier_channels: int = 0

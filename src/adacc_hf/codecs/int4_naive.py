@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from . import dispatch
 from .base import (
     Codec,
     Encoded,
@@ -39,20 +38,14 @@ class Int4NaiveCodec(Codec):
     def params(self) -> dict[str, Any]:
         return {"group_size": self.group_size}
 
-    def encode(self, x: torch.Tensor) -> Encoded:
-        self._check_input(x)
-        if dispatch.use_kernel(x):
-            return dispatch.encode(self, x)
+    def _encode(self, x: torch.Tensor) -> tuple[dict, dict]:
         q, scale = quantize_groups(as_rows_f32(x), self.group_size)
-        return Encoded(self.name, x.shape, x.dtype, {"q": q, "scale": scale}, {})
+        return {"q": q, "scale": scale}, {}
 
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        self._check_encoded(enc)
-        if dispatch.use_kernel(enc.device):
-            return dispatch.decode(self, enc)
+    def _decode(self, enc: Encoded) -> torch.Tensor:
         _, channels = rows_channels(enc.shape)
         x = dequantize_groups(enc.tensors["q"], enc.tensors["scale"], channels, self.group_size)
-        return x.to(enc.dtype).reshape(enc.shape)
+        return x.to(enc.dtype)
 
     def predict_nbytes(
         self, shape: Sequence[int], dtype: torch.dtype, n_outlier_channels: int = 0

@@ -234,6 +234,12 @@ class AdaccTrainingArguments(TrainingArguments):
                 "adacc replaces activation checkpointing: drop --gradient_checkpointing / "
                 "--activation_checkpointing (or set adacc=False)"
             )
+        if getattr(self, "torch_compile", False):
+            raise AdaccError(
+                "adacc does not run under torch.compile yet (its per-op runtime is a pair of "
+                "Python dispatch modes dynamo cannot trace): drop --torch_compile (or set "
+                "adacc=False); see docs/compile.md"
+            )
         fsdp_config = getattr(self, "fsdp_config", None) or {}
         if fsdp_config.get("activation_checkpointing"):
             raise AdaccError(

@@ -13,9 +13,11 @@ from typing import Any
 from ..errors import PolicyError
 from ..schema import (
     ACTION_KINDS,
+    ALWAYS_RETAIN,
     ATTENTION_CORE,
     LAYER_TYPES,
     RECOMPUTE,
+    RETAIN,
     Action,
     ActionKind,
     GroupPolicy,
@@ -38,14 +40,20 @@ def from_trace(
     metadata: dict[str, Any] | None = None,
 ) -> Policy:
     """A single-variant policy: ``choose(op) -> Action`` for every cacheable op (``checkpoint=
-    False``: no checkpointing, ``choose`` unused)."""
+    False``: no checkpointing, ``choose`` unused). Ops of `ALWAYS_RETAIN` layer types (MoE
+    routers) are retained whatever ``choose`` says."""
     groups = {}
     for name, bt in trace.groups.items():
         actions: dict[str, Action] = {}
         if checkpoint:
             assert choose is not None
             for op in bt.ops:
-                actions[op.key] = choose(op) if op.cacheable else RECOMPUTE
+                if not op.cacheable:
+                    actions[op.key] = RECOMPUTE
+                elif op.layer_type in ALWAYS_RETAIN:
+                    actions[op.key] = RETAIN
+                else:
+                    actions[op.key] = choose(op)
         groups[name] = GroupPolicy(
             ops=list(bt.ops),
             variants=[Variant(bt.num_blocks, checkpoint, actions)],

@@ -11,11 +11,20 @@ from typing import Any
 import torch
 
 from ..codecs import Codec, get_codec, has_sentinels, payload_finite, relative_error
-from ..runtime.ops import storage_id, tensor_outputs
+from ..runtime.checkpoint import dispatch_overhead_ms
+from ..runtime.ops import cache_target, storage_id, tensor_outputs
 from ..runtime.peak import AllocationTracker
 from ..runtime.timing import elapsed_ms, sync, time_call, timer_for
 from ..runtime.trace import record_block
-from ..schema import CodecProfile, GroupProfile, OpProfile, OpSpec, codec_candidates
+from ..schema import (
+    CodecProfile,
+    GroupPolicy,
+    GroupProfile,
+    OpProfile,
+    OpSpec,
+    Variant,
+    codec_candidates,
+)
 from .variants import BlockProbe
 
 
@@ -61,7 +70,7 @@ def profile_codec(
         encode_ms=time_call(lambda: codec.encode(x), device, repeats),
         decode_ms=time_call(lambda: codec.decode(enc), device, repeats),
         rel_error=err,
-        n_outliers=int(enc.meta.get("n_outliers", 0)),
+        n_outliers=int(enc.meta.get("outlier_count", 0)),
         encode_workspace_nbytes=max(0, encode_ws),
         decode_workspace_nbytes=max(0, decode_ws),
     )
@@ -78,6 +87,7 @@ class GroupOps:
     ops: list[OpProfile]
     fixed_ms: float  # ops that always rerun (views, in-place, random): their recompute time
     block_fwd_ms: float
+    dispatch_ms: float = 0.0  # the runtime's dispatch modes on a block that keeps an op
 
 
 def _untimed(func, args, kwargs):
@@ -109,7 +119,7 @@ def scaled(ops: list[OpSpec], outputs: list, outs: set[int], ref: GroupProfile) 
             ),
         )
         dtype = getattr(torch, op.dtype.removeprefix("torch."), None)
-        masked = bool(tensors) and has_sentinels(tensors[0])
+        masked = bool(tensors) and has_sentinels(cache_target(op.mask, raw))
         for name, cp in {} if masked else r.codecs.items():
             codec = get_codec(name, **cp.params)
             prof.codecs[name] = CodecProfile(
@@ -125,7 +135,8 @@ def scaled(ops: list[OpSpec], outputs: list, outs: set[int], ref: GroupProfile) 
             )
         out.append(prof)
     mean = sum(ratios) / max(1, len(ratios))
-    return GroupOps(out, ref.fixed_ms * mean, ref.block_fwd_ms * mean)
+    # the dispatch overhead is per op crossing Python, whatever the shape
+    return GroupOps(out, ref.fixed_ms * mean, ref.block_fwd_ms * mean, ref.dispatch_ms)
 
 
 def op_visitor(
@@ -150,8 +161,8 @@ def op_visitor(
     def visit(adapter, group, block, fn, args):
         out = _visit(adapter, group, block, fn, args)
         if probes is not None:
-            known = {o.key for o in measured[group.name].ops}
-            probes[group.name] = BlockProbe(group.name, group.paths[0], block, fn, args, known)
+            specs = [o.spec() for o in measured[group.name].ops]
+            probes[group.name] = BlockProbe(group.name, group.paths[0], block, fn, args, specs)
         return out
 
     def _visit(adapter, group, block, fn, args):
@@ -190,14 +201,17 @@ def op_visitor(
             )
             # Masked outputs (attention scores with -inf / finfo.min) stay exact: a lossy codec
             # would scale to the sentinels and ruin what the mask leaves visible.
-            if op.cacheable and tensors and not has_sentinels(tensors[0]):
+            target = cache_target(op.mask, raw) if tensors else None
+            if op.cacheable and target is not None and not has_sentinels(target):
                 for codec in candidate_codecs(op, allowed, codec_params):
-                    cp = profile_codec(codec, tensors[0], device)
+                    cp = profile_codec(codec, target, device)
                     if cp is not None:
                         prof.codecs[codec.name] = cp
             op_profiles.append(prof)
         fixed = other + sum(p.fwd_ms for p in op_profiles if not p.cacheable)
-        measured[group.name] = GroupOps(op_profiles, fixed, block_ms)
+        gp = GroupPolicy(ops=ops, variants=[Variant(len(group.modules), True, {})])
+        d_ms = dispatch_overhead_ms(block, fn, args, gp, device, repeats)
+        measured[group.name] = GroupOps(op_profiles, fixed, block_ms, d_ms)
         del runs
         return out
 

@@ -21,7 +21,7 @@ from torch import nn
 from ..runtime.checkpoint import BlockRuntime
 from ..runtime.peak import AllocationTracker
 from ..runtime.trace import autocast_context
-from ..schema import Profile, Variant, variant_key
+from ..schema import GroupPolicy, OpSpec, Profile, Variant, variant_key
 
 FULL_RECOMPUTE = Variant(1, True, {})
 
@@ -35,7 +35,7 @@ class BlockProbe:
     block: nn.Module
     fn: Callable
     args: tuple
-    known: set[str] = field(default_factory=set)
+    ops: list[OpSpec] = field(default_factory=list)  # the group's traced ops (the policy's list)
 
 
 def _hidden(out: Any) -> torch.Tensor:
@@ -52,7 +52,9 @@ def transients(
     params = [p for p in probe.block.parameters() if p.requires_grad]
     device = x.device
     runtime = (
-        BlockRuntime(probe.block, probe.path, probe.group, variant, probe.known, set())
+        BlockRuntime(
+            probe.block, probe.path, probe.group, GroupPolicy(probe.ops, [variant]), variant, set()
+        )
         if variant.checkpoint
         else None
     )

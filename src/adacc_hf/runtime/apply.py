@@ -9,7 +9,7 @@ from torch import nn
 from ..adapters import get_adapter, unwrap_model
 from ..errors import AdaccError, AlreadyAppliedError
 from ..policy import Policy
-from .checkpoint import BlockRuntime
+from .checkpoint import _COMPILE_MSG, BlockRuntime
 
 _ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
 _HANDLE_ATTR = "_adacc_handle"
@@ -30,7 +30,6 @@ class AdaccHandle:
         warned: set = set()
         for group in adapter.block_groups(self.model):
             gp = self.policy.groups[group.name]
-            known = {o.key for o in gp.ops}
             for path, block, variant in zip(
                 group.paths, group.modules, gp.block_variants(), strict=True
             ):
@@ -39,7 +38,8 @@ class AdaccHandle:
                 self._saved.append(
                     (block, {a: block.__dict__[a] for a in _ATTRS if a in block.__dict__})
                 )
-                rt = BlockRuntime(block, path, group.name, variant, known, warned)
+                rt = BlockRuntime(block, path, group.name, gp, variant, warned)
+                rt.root = self.model
                 self.runtimes[path] = rt
                 block.gradient_checkpointing = True
                 block._gradient_checkpointing_func = rt
@@ -64,8 +64,22 @@ class AdaccHandle:
         self.active = False
 
     def set_policy(self, policy: Policy) -> None:
-        """Switch to another policy for the same model (between training steps)."""
+        """Switch to another policy for the same model (between training steps). When the same
+        blocks are checkpointed, the block runtimes stay and keep their slot tables per variant
+        (switching back and forth, e.g. between per-shape plans, rebuilds nothing)."""
         policy.validate(self.model)
+        adapter = get_adapter(self.model)
+        plan = []
+        for group in adapter.block_groups(self.model):
+            gp = policy.groups[group.name]
+            for path, variant in zip(group.paths, gp.block_variants(), strict=True):
+                plan.append((path, gp, variant))
+        if {p for p, _, v in plan if v.checkpoint} == set(self.runtimes):
+            for path, gp, variant in plan:
+                if variant.checkpoint:
+                    self.runtimes[path].set_variant(variant, gp)
+            self.policy = policy
+            return
         self.remove()
         self.policy = policy
         self._install()
@@ -77,17 +91,24 @@ class AdaccHandle:
 
     def cached_bytes(self) -> dict[str, int]:
         """Bytes each checkpointed block cached (raw or encoded) in its last forward."""
-        return {p: sum(rt.last_bytes.values()) for p, rt in self.runtimes.items()}
+        return {p: rt.last_nbytes for p, rt in self.runtimes.items()}
 
     @property
     def unknown_ops(self) -> set[str]:
-        """Ops seen at run time that the policy does not name (they were recomputed)."""
+        """Ops seen at run time that the policy does not describe (another key, op overload,
+        dtype or rank in their region): they were recomputed."""
         return set().union(*(rt.unknown for rt in self.runtimes.values()))
 
     @property
+    def problems(self) -> list[str]:
+        """Every mismatch between policy and model the runtime met (also logged once each)."""
+        return [p for rt in self.runtimes.values() for p in rt.problems]
+
+    @property
     def fallbacks(self) -> set[str]:
-        """Compressed ops whose values a codec could not encode (kept exact instead)."""
-        return set().union(*(rt.fallbacks for rt in self.runtimes.values()))
+        """Always empty: codecs encode inf / NaN in place at the planned size (kept for
+        compatibility; ops used to fall back to an exact copy)."""
+        return set()
 
     def __enter__(self) -> AdaccHandle:
         return self
@@ -106,11 +127,19 @@ def _gradient_checkpointing_layer() -> type:
     return GradientCheckpointingLayer
 
 
+def _compiled(model: nn.Module) -> bool:
+    """``torch.compile(model)`` (a wrapper with ``_orig_mod``) or ``model.compile()``."""
+    return hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+
+
 def apply_adacc(model: nn.Module, policy: Policy) -> AdaccHandle:
     """Make every transformer block of `model` run `policy`. Returns a handle to undo it.
 
     Works on plain transformers models and on PEFT-wrapped ones; patches only this instance.
+    A compiled model (``torch.compile``) is refused: see docs/compile.md.
     """
+    if _compiled(model):
+        raise AdaccError(_COMPILE_MSG)
     base = unwrap_model(model)
     existing = base.__dict__.get(_HANDLE_ATTR)
     if existing is not None and existing.active:

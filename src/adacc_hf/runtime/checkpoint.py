@@ -1,252 +1,407 @@
 """The per-block checkpoint that retains, compresses or recomputes each op's output.
 
 One mechanism: transformers' per-layer checkpoint hook (`GradientCheckpointingLayer`) calls
-`BlockRuntime`, which runs torch's non-reentrant checkpoint with two dispatch modes. In forward,
-`_KeepMode` caches the output of every op the policy retains (as is) or compresses (encoded);
-in backward's recompute, `_ReplayMode` hands cached outputs back (decoded) instead of running
-those ops, and runs every other op again. Dropout RNG is replayed by the checkpoint.
+`BlockRuntime`, which runs torch's non-reentrant checkpoint. A block whose policy keeps nothing
+runs it exactly as transformers' full checkpointing does (no dispatch modes at all). Otherwise two
+dispatch modes run beside it: in forward, `_KeepMode` keeps the output of every op the policy
+retains (as is) or compresses (encoded); in backward's recompute, `_ReplayMode` hands kept outputs
+back (decoded) instead of running those ops, and runs every other op again.
+
+Both modes walk the block's slot table (`slots.py`): position -> action, built once per (policy
+variant, call signature). Random ops (dropout, attention with dropout) may be kept: forward notes
+the generator state after them and replay restores it, so the ops recomputed after them draw the
+same numbers. A tensor that RNG ops fill in place before its first use (CPU dropout's noise) is
+kept as it is at that first use, and replay skips the fills. Nothing here waits for the device.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+import sys
+import time
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
-from ..codecs import Codec, Encoded, get_codec, payload_finite
-from ..errors import PolicyError
-from ..schema import Action, Variant
+from ..codecs import Codec, get_codec
+from ..errors import AdaccError
+from ..schema import Action, GroupPolicy, Variant
+from .kept import Entry, keep, unpack
 from .ops import (
+    _KINDS,
+    KEYED,
+    MUTABLE,
     OpKeyer,
     RegionTracker,
-    detach_for_cache,
-    is_keyed_now,
-    is_mutable,
+    device_of,
+    generator_of,
     is_random,
+    keyed_now,
     mutated_args,
-    storage_id,
+    op_kind,
+    tensor_outputs,
 )
+from .slots import (
+    Slot,
+    SlotTable,
+    build_table,
+    call_signature,
+    make_slot,
+    matches,
+    observe,
+)
+from .timing import time_call
 
 logger = logging.getLogger("adacc_hf")
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_grad_enabled = torch.is_grad_enabled
+MAX_TABLES = 64  # slot tables kept per block (one per variant and call signature), oldest out
+_COMPILE_MSG = (
+    "adacc does not run under torch.compile (its per-op runtime is a pair of Python dispatch "
+    "modes that dynamo cannot trace): leave torch_compile off, or run without adacc; see "
+    "docs/compile.md"
+)
 
 
-class _Packed:
-    """An encoded op output and what decoding needs to rebuild it exactly in shape and layout."""
-
-    __slots__ = ("codec", "enc", "stride")
-
-    def __init__(self, codec: Codec, enc: Encoded, stride: tuple[int, ...]) -> None:
-        self.codec, self.enc, self.stride = codec, enc, stride
-
-    def nbytes(self) -> int:
-        return self.enc.nbytes()
-
-    def decode(self) -> torch.Tensor:
-        x = self.codec.decode(self.enc)
-        if x.stride() != self.stride:
-            y = torch.empty_strided(x.shape, self.stride, dtype=x.dtype, device=x.device)
-            y.copy_(x)
-            x = y
-        return x
-
-
-def _nbytes(entry: Any) -> int:
-    if isinstance(entry, _Packed):
-        return entry.nbytes()
-    if isinstance(entry, torch.Tensor):
-        return entry.numel() * entry.element_size()
-    if isinstance(entry, (tuple, list)):
-        return sum(_nbytes(e) for e in entry)
-    return 0
-
-
-def _unpack(entry: Any) -> Any:
-    return entry.decode() if isinstance(entry, _Packed) else entry
+def _under_compile(root: Any) -> bool:
+    """Whether this call comes from ``torch.compile``: dynamo tracing it, an eager fallback
+    inside a compiled module (``torch.compile(model)``), or ``model.compile()``."""
+    if torch.compiler.is_compiling():
+        return True
+    ef = sys.modules.get("torch._dynamo.eval_frame")
+    if ef is not None and getattr(ef, "_is_in_optimized_module", lambda: False)():
+        return True
+    return getattr(root, "_compiled_call_impl", None) is not None
 
 
 class BlockRuntime:
-    """Runs one block under one variant of the policy; installed as the block's checkpoint fn."""
+    """Runs one block under one variant of its group's policy; installed as its checkpoint fn."""
 
     def __init__(
         self,
         block: nn.Module,
         path: str,
         group: str,
+        gp: GroupPolicy,
         variant: Variant,
-        known_ops: set[str],
-        warned: set[str],
+        warned: set,
     ) -> None:
         self.block = block
+        self.root: Any = None  # the patched model (set by apply): compiled later -> an error
         self.path = path
         self.group = group
-        self.known_ops = known_ops  # ops the policy names (absent from `actions`: recompute)
-        self.regions = RegionTracker(block)
-        self.unknown: set[str] = set()
-        self.fallbacks: set[str] = set()
-        self._warned = warned  # shared by every block of one handle: one warning per op
+        self.specs: list = []
+        self.unknown: set[str] = set()  # ops recomputed because the policy does not describe them
+        self.problems: list[str] = []
+        self._warned = warned  # shared by every block of one handle: one warning per problem
         self.tracker: Any = None  # an evolution.OutlierTracker during tracking steps
-        self.last_bytes: dict[str, int] = {}
-        self.set_variant(variant)
+        self.last_nbytes = 0
+        self.last_bytes: dict[str, int] = {}  # per kept op of the last forward (before sharing)
+        self.bitpack = get_codec("bitpack")
+        self._codecs: dict[Any, Codec] = {"bitpack": self.bitpack}
+        self._tables: dict[tuple, SlotTable] = {}
+        self.set_variant(variant, gp)
 
-    def set_variant(self, variant: Variant) -> None:
+    def set_variant(self, variant: Variant, gp: GroupPolicy | None = None) -> None:
+        """Run another variant (tables are kept per variant: switching back costs nothing); a new
+        op list ``gp.ops`` (another trace) drops every table."""
+        if gp is not None and list(gp.ops) != self.specs:
+            self.specs = list(gp.ops)
+            self._spec = {s.key: s for s in self.specs}
+            self._tables.clear()
         self.actions: dict[str, Action] = dict(variant.actions)
-        self._codecs: dict[Action, Codec] = {}
-        self._bitpack = get_codec("bitpack")
+        self._vkey = tuple(sorted((k, a) for k, a in self.actions.items() if a.kind != "recompute"))
+        self.keeps_any = bool(self._vkey)
 
     def codec(self, action: Action) -> Codec:
         c = self._codecs.get(action)
         if c is None:
             c = self._codecs[action] = get_codec(action.codec, **dict(action.params))
+            self._codecs[c.name] = c
         return c
 
+    def codec_of(self, name: str) -> Codec:
+        return self._codecs[name]
+
     def remove(self) -> None:
-        self.regions.remove()
+        self._tables.clear()
 
     def __call__(self, fn, *args):
-        run = _Run(self)
+        if _under_compile(self.root):
+            raise AdaccError(_COMPILE_MSG)
+        tracking = self.tracker is not None
+        sig = (self._vkey, call_signature(fn, args)) if self.keeps_any or tracking else None
+        table = self._tables.get(sig) if sig is not None else None
+        if not tracking and (not self.keeps_any or (table is not None and not table.caches)):
+            # nothing to keep: exactly transformers' full checkpointing, no dispatch modes
+            self.last_nbytes, self.last_bytes = 0, {}
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+        run = _Run(self, table)
         out = checkpoint(
-            fn,
-            *args,
-            use_reentrant=False,
-            context_fn=lambda: (_KeepMode(run), _ReplayMode(run)),
-            preserve_rng_state=True,
+            fn, *args, use_reentrant=False, context_fn=run.contexts, preserve_rng_state=True
         )
+        if run.built is not None:
+            if len(self._tables) >= MAX_TABLES:  # e.g. many padded lengths: drop the oldest
+                self._tables.pop(next(iter(self._tables)))
+            self._tables[sig] = run.built
+        elif run.broken:
+            self._tables.pop(sig, None)  # rebuilt (and re-aligned) on the next forward
         # A retained output that is the block's own output costs nothing extra: the next block
         # (or the final norm) holds it anyway.
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel():
-                key = run.kept_storages.get(storage_id(t))
-                if key is not None:
-                    self.last_bytes[key] -= t.untyped_storage().nbytes()
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))]
+        ptrs = {t.data_ptr() for t in outs if isinstance(t, torch.Tensor) and t.numel()}
+        for e in run.store.values():
+            for v, _ in e.versions:
+                if v.numel() and v.data_ptr() in ptrs:
+                    run.nbytes -= v.numel() * v.element_size()
+        self.last_nbytes = run.nbytes
+        self.last_bytes = dict(run.sizes.values())
         return out
 
-    # ---- forward-side helpers
-    def encode(self, key: str, action: Action, out: Any) -> Any:
-        if action.kind == "retain":
-            return tree_map(detach_for_cache, out)
-        codec = self.codec(action)
-
-        def enc(t: torch.Tensor) -> Any:
-            if t.dtype in _FLOATS:
-                encoded = codec.encode(t)
-                if not payload_finite(encoded):
-                    # inf / NaN inputs (e.g. -inf attention masks) cannot be quantised: keep this
-                    # output exact rather than corrupt the gradients.
-                    self.note_fallback(key, codec.name)
-                    return detach_for_cache(t)
-                return _Packed(codec, encoded, t.stride())
-            if t.dtype == torch.bool:
-                return _Packed(self._bitpack, self._bitpack.encode(t), t.stride())
-            return detach_for_cache(t)
-
-        if isinstance(out, torch.Tensor):
-            return enc(out)
-        # Multi-output ops (e.g. native_layer_norm -> out, mean, rstd): only the main output is
-        # compressed; the small statistics are kept exact.
-        return type(out)([enc(out[0]), *(detach_for_cache(t) for t in out[1:])])
-
-    def note_fallback(self, key: str, codec: str) -> None:
-        self.fallbacks.add(key)
-        if ("fallback", key) not in self._warned:
-            self._warned.add(("fallback", key))
-            logger.warning(
-                "adacc: %s cannot encode op %s in block %s (non-finite values); kept exact",
-                codec,
-                key,
-                self.path,
-            )
-
-    def note_unknown(self, key: str) -> None:
-        self.unknown.add(key)
-        if ("unknown", key) not in self._warned:
-            self._warned.add(("unknown", key))
-            logger.warning(
-                "adacc: op %s in block %s is not in the policy; recomputing it (the policy was "
-                "traced on another batch shape, mask or attention path)",
-                key,
-                self.path,
-            )
+    def warn(self, what: str, detail: str) -> None:
+        line = f"{self.path}: {detail}"
+        if line not in self.problems:  # a long run repeats its problems: list each once
+            self.problems.append(line)
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning("adacc: block %s: %s", self.path, detail)
 
 
 class _Run:
-    """One checkpointed forward of one block: its cache of kept outputs."""
+    """One checkpointed forward of one block: its kept outputs, by slot position."""
 
-    def __init__(self, rt: BlockRuntime) -> None:
+    def __init__(self, rt: BlockRuntime, table: SlotTable | None) -> None:
         self.rt = rt
-        self.store: dict[str, Any] = {}
-        self.kept_storages: dict[int, str] = {}
+        self.table = table
+        self.store: dict[int, Entry] = {}
+        self.sizes: dict[int, tuple[str, int]] = {}  # position -> (key, bytes), outlives replay
+        self.nbytes = 0
+        self.built: SlotTable | None = None
+        self.broken = ""
+
+    def contexts(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+        return _KeepMode(self), _ReplayMode(self)
+
+    def drop(self, keep=lambda e: False) -> None:
+        for pos in [p for p, e in self.store.items() if not keep(e)]:
+            self.nbytes -= self.store.pop(pos).nbytes
+            del self.sizes[pos]
+
+    def misaligned(self, detail: str) -> None:
+        """The forward left the table's op sequence: keep nothing from this run."""
+        if not self.broken:
+            self.broken = detail
+            self.drop()
+            self.rt.warn(
+                "misaligned:" + detail,
+                f"{detail}; this forward keeps nothing (recomputed), the slot table is rebuilt",
+            )
 
 
-class _KeepMode(TorchDispatchMode):
+class _FastMode(TorchDispatchMode):
+    """A dispatch mode without torch's per-op ``_disable_dynamo`` wrapper (``set_eval_frame``
+    twice per op, about half the crossing's cost). Safe here: adacc refuses torch.compile, and
+    nothing under these modes compiles."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class _KeepMode(_FastMode):
+    """Forward: keep what the slot table says; build the table on its first forward."""
+
     def __init__(self, run: _Run) -> None:
         super().__init__()
         self.run = run
+        self.pos = 0
+        # data_ptr -> (position, slot, tensor, fills) of outputs RNG ops are still filling
+        self.pending: dict[int, tuple[int, Slot, torch.Tensor, list]] = {}
+        self.slots = run.table.slots if run.table is not None else None
+        self.keyer: OpKeyer | None = None
+        self.seen: list = []
+        self.tracker = run.rt.tracker
 
     def __enter__(self):
-        self.run.rt.regions.reset()
-        self.keyer = OpKeyer(self.run.rt.regions)
-        self.run.rt.last_bytes = {}
+        if self.slots is None:  # building the table: name ops through their regions, this once
+            self.keyer = OpKeyer(RegionTracker(self.run.rt.block))
         return super().__enter__()
 
+    def __exit__(self, *exc):
+        res = super().__exit__(*exc)
+        for p in list(self.pending.values()):
+            self._store(*p)
+        self.pending.clear()
+        run, rt = self.run, self.run.rt
+        if self.keyer is not None:
+            self.keyer.regions.remove()
+            table = build_table(rt.specs, self.seen, rt.actions, rt.codec)
+            kept = {s.key for s in table.slots if s.action is not None}
+            run.drop(lambda e: e.slot.key in kept)  # misaligned regions keep nothing
+            for problem in table.problems:
+                rt.warn("region:" + problem, problem + "; its ops are recomputed")
+            rt.unknown |= table.unknown
+            run.built = table
+        elif not run.broken and self.pos != len(self.slots):
+            run.misaligned(f"{self.pos} keyed ops ran where the slot table has {len(self.slots)}")
+        return res
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        run = self.run
-        if is_mutable(func):
-            if run.kept_storages:
-                for t in mutated_args(func, args, kwargs):
-                    key = run.kept_storages.get(storage_id(t))
-                    if key is not None:
-                        raise PolicyError(
-                            f"op {key} of block {run.rt.path} is kept by the policy but later "
-                            f"mutated in place by {func}; it must be recomputed"
-                        )
+        # The hot path: one op call, one dict lookup, then out for most ops.
+        out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = op_kind(func)
+        if kind == MUTABLE:
+            if self.pending:
+                self._filled(func, args, kwargs)
             return out
-        if not is_keyed_now(func, args, kwargs):
+        if self.pending:
+            self._read(args)
+        if kind != KEYED or not (_grad_enabled() or keyed_now(args, kwargs)):
             return out
-        key, _, _ = self.keyer.key(func)
-        action = run.rt.actions.get(key)
-        tracker = run.rt.tracker
-        if action is None or action.kind == "recompute" or is_random(func):
-            if action is None and key not in run.rt.known_ops:
-                run.rt.note_unknown(key)
-            if tracker is not None:
-                tracker.observe(run.rt.group, key, out)
+        pos = self.pos
+        self.pos = pos + 1
+        if self.slots is None:
+            slot = self._build_slot(func, out)
+        elif self.run.broken:
             return out
-        entry = run.rt.encode(key, action, out)
-        if tracker is not None:
-            tracker.observe(run.rt.group, key, out, entry)
-        run.store[key] = entry
-        run.rt.last_bytes[key] = _nbytes(entry)
-        if action.kind == "retain":
-            # A raw cached output must not change before backward. (An encoded one is a snapshot:
-            # the replay re-applies any later in-place op to it, as forward did.)
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.numel():
-                    run.kept_storages[storage_id(t)] = key
+        elif pos >= len(self.slots) or self.slots[pos].func is not func:
+            self.run.misaligned(f"op {func} at keyed position {pos} is not the slot table's")
+            return out
+        else:
+            slot = self.slots[pos]
+        if slot.action is None:
+            if self.tracker is not None:
+                self.tracker.observe(self.run.rt.group, slot.key, out, None)
+            return out
+        fills: list = []
+        if slot.random:
+            gen = generator_of(func, args, kwargs, device_of(args, out))
+            fills.append((gen, gen.get_state()) if gen is not None else None)
+        if slot.fill:  # kept at its first use, once the RNG ops have filled it
+            t = tensor_outputs(out)[0]
+            self.pending[t.data_ptr()] = (pos, slot, t, fills)
+        else:
+            self._store(pos, slot, out, fills)
         return out
 
+    def _store(self, pos: int, slot: Slot, out: Any, rng: list) -> None:
+        e = keep(self.run.rt, slot, out)
+        e.rng = rng
+        self.run.store[pos] = e
+        self.run.sizes[pos] = (slot.key, e.nbytes)
+        self.run.nbytes += e.nbytes
+        if self.tracker is not None:
+            self.tracker.observe(self.run.rt.group, slot.key, out, e.enc[0] if e.enc else None)
 
-class _ReplayMode(TorchDispatchMode):
+    def _filled(self, func, args, kwargs) -> None:
+        for t in mutated_args(func, args, kwargs):
+            p = self.pending.get(t.data_ptr())
+            if p is not None:
+                gen = generator_of(func, args, kwargs, t.device) if is_random(func) else None
+                p[3].append((gen, gen.get_state()) if gen is not None else None)
+
+    def _read(self, args: tuple) -> None:
+        for a in args:
+            for t in a if isinstance(a, (tuple, list)) else (a,):
+                if isinstance(t, torch.Tensor):
+                    p = self.pending.pop(t.data_ptr(), None)
+                    if p is not None:
+                        self._store(*p)
+
+    def _build_slot(self, func, out) -> Slot:
+        rt = self.run.rt
+        key, _, _ = self.keyer.key(func)
+        seen = observe(func, key, tensor_outputs(out))
+        self.seen.append(seen)
+        spec = rt._spec.get(key)
+        if spec is None or not matches(spec, seen):
+            return Slot(func, key)
+        return make_slot(func, key, spec, rt.actions.get(key), rt.codec)
+
+
+class _ReplayMode(_FastMode):
+    """Recompute: hand kept outputs back instead of running their ops; skip the fills of kept
+    filled tensors, restoring the RNG as each fill left it."""
+
     def __init__(self, run: _Run) -> None:
         super().__init__()
         self.run = run
-
-    def __enter__(self):
-        self.run.rt.regions.reset()
-        self.keyer = OpKeyer(self.run.rt.regions)
-        return super().__enter__()
+        self.pos = 0
+        self.skip: dict[int, list] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not is_mutable(func) and is_keyed_now(func, args, kwargs):
-            key, _, _ = self.keyer.key(func)
-            entry = self.run.store.pop(key, None)
-            if entry is not None:
-                return tree_map(_unpack, entry)
-        return func(*args, **(kwargs or {}))
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = op_kind(func)
+        if kind == KEYED and self.run.store and (_grad_enabled() or keyed_now(args, kwargs)):
+            pos = self.pos
+            self.pos = pos + 1
+            e = self.run.store.pop(pos, None)
+            if e is not None:
+                if e.slot.func is func:
+                    out = unpack(self.run.rt, e, args)
+                    if e.slot.fill and e.rng:
+                        self.skip[out.data_ptr()] = list(e.rng)
+                    return out
+                # The recompute left forward's op sequence: nothing after this point can be
+                # matched safely, so everything from here on is recomputed.
+                self.run.drop()
+                self.run.rt.warn(
+                    "replay:" + e.slot.key,
+                    f"recompute ran {func} where forward kept {e.slot.key}; recomputing the rest "
+                    "of the block",
+                )
+        elif kind == MUTABLE and self.skip:
+            for t in mutated_args(func, args, kwargs):
+                fills = self.skip.get(t.data_ptr())
+                if fills is not None:
+                    state = fills.pop(0)
+                    if state is not None:
+                        state[0].set_state(state[1])
+                    if not fills:
+                        del self.skip[t.data_ptr()]
+                    return t  # the fill happened in forward: the kept tensor is its result
+        return func._op(*args, **kwargs) if kwargs else func._op(*args)
+
+
+def dispatch_overhead_ms(
+    block: nn.Module, fn: Any, args: tuple, gp: GroupPolicy, device: Any, repeats: int = 5
+) -> float:
+    """Measured runtime overhead of one checkpointed block that keeps some op: the block's
+    forward under the forward dispatch mode (on a built slot table that keeps nothing) minus the
+    plain forward, interleaved pairs, median, doubled (recompute crosses the replay mode the same
+    way). What the cost model adds per such block (`GroupProfile.dispatch_ms`).
+
+    The overhead is Python work on the calling thread: on CPU it is timed with that thread's CPU
+    clock (other processes on a shared machine do not inflate it); on CUDA with synchronised wall
+    time (host overhead the device hides costs nothing there)."""
+    rt = BlockRuntime(block, "profile", "", gp, Variant(1, True, {}), set())
+    build = _Run(rt, None)
+    with _KeepMode(build):
+        fn(*args)
+    table = build.built
+
+    def keep() -> None:
+        with _KeepMode(_Run(rt, table)):
+            fn(*args)
+
+    def plain() -> None:
+        fn(*args)
+
+    cuda = torch.device(device).type == "cuda"
+    diffs = []
+    for _ in range(max(5, repeats) | 1):
+        if cuda:
+            diffs.append(time_call(keep, device, 1) - time_call(plain, device, 1))
+            continue
+        t0 = time.thread_time()
+        plain()
+        t1 = time.thread_time()
+        keep()
+        diffs.append((time.thread_time() - t1 - (t1 - t0)) * 1e3)
+    return max(0.0, 2.0 * statistics.median(diffs))

@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..adapters import get_adapter, unwrap_model
-from .ops import is_keyed, tensor_outputs
+from .ops import is_keyed, is_mutable, tensor_outputs
 from .peak import loss_of
 from .sharded import forwards_without_backward
 
@@ -54,18 +54,18 @@ class _StorageRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if is_keyed(func):
-            for t in tensor_outputs(out):
-                s = t.untyped_storage()
-                if s.nbytes():
-                    self.records.append(
-                        (
-                            StorageWeakRef(s),
-                            s.data_ptr(),
-                            s.nbytes(),
-                            self.where,
-                            self.blocks_started,
-                        )
-                    )
+            fresh = None
+        elif is_mutable(func):
+            return out
+        else:  # composite ops seen whole (``to``, ``contiguous`` called inside another dispatch
+            # mode, e.g. by a codec): count an output only if its storage is new
+            fresh = {t.untyped_storage().data_ptr() for t in tensor_outputs((args, kwargs))}
+        for t in tensor_outputs(out):
+            s = t.untyped_storage()
+            if s.nbytes() and (fresh is None or s.data_ptr() not in fresh):
+                self.records.append(
+                    (StorageWeakRef(s), s.data_ptr(), s.nbytes(), self.where, self.blocks_started)
+                )
         return out
 
 

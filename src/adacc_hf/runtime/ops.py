@@ -1,8 +1,14 @@
-"""Naming the aten ops that run inside a block: regions (submodules) and per-region op keys.
+"""Naming the aten ops that run inside a block: regions (submodules), op keys and signatures.
 
 Both the trace and the runtime name ops the same way, so a policy made from a trace addresses the
 ops the runtime sees. Only ops that create new storage get a key: views, in-place ops and ops
-without tensor outputs always run (they cost nothing to recompute, or cannot be cached).
+without tensor outputs always run (they cost nothing to recompute, or cannot be cached). Ops that
+return integers beside their tensors (CUDA flash / cuDNN attention) get keys too, and so do
+random ops (dropout, attention with dropout): the runtime replays their RNG state.
+
+An op's *signature* is (op overload, output dtype, shape class); the shape class is the rank of
+each tensor output (``"4,3"`` for attention's output and log-sum-exp), which a change of batch
+size or sequence length leaves alone.
 """
 
 from __future__ import annotations
@@ -30,33 +36,55 @@ _IGNORED = {
     torch.ops.aten._unsafe_view.default,
     torch.ops.aten.lift_fresh.default,
 }
+_SCALAR_RETURNS = frozenset({"IntType", "SymIntType", "FloatType", "BoolType"})
+#: The op kinds of the dispatch hot path (`op_kind`).
+PLAIN, KEYED, MUTABLE = 0, 1, 2
+NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 
 
 @functools.cache
 def is_keyed(func: torch._ops.OpOverload) -> bool:
-    """True when `func` creates new storage (not a view, not in-place, not ignored)."""
+    """True when `func` creates new storage: not a view, not in-place, not ignored, at least one
+    tensor output and otherwise only tensors or plain scalars (ints of flash attention)."""
     if func in _IGNORED or func.is_view:
         return False
     schema = func._schema
     if schema.is_mutable:
         return False
     returns = schema.returns
-    return bool(returns) and all(
-        r.alias_info is None and isinstance(r.type, torch._C.TensorType) for r in returns
-    )
-
-
-def is_keyed_now(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> bool:
-    """`is_keyed`, for ops that compute from activations. Under ``no_grad``, an op none of whose
-    inputs requires grad gets no key and always runs: ZeRO-3's and FSDP's parameter all-gathers and
-    prefetches run there and differ between the profiled block, the forward and the recompute (keys
-    would shift). Ops inside a custom autograd Function's forward (ZeRO-3's linear) keep theirs."""
-    if not is_keyed(func):
+    if not returns or any(r.alias_info is not None for r in returns):
         return False
+    tensors = [isinstance(r.type, torch._C.TensorType) for r in returns]
+    scalars = [r.type.kind() in _SCALAR_RETURNS for r in returns]
+    return any(tensors) and all(t or s for t, s in zip(tensors, scalars, strict=True))
+
+
+_KINDS: dict[Any, int] = {}
+
+
+def op_kind(func: torch._ops.OpOverload) -> int:
+    """PLAIN, KEYED or MUTABLE (one dict lookup once known: the dispatch hot path asks per op)."""
+    kind = _KINDS.get(func)
+    if kind is None:
+        kind = _KINDS[func] = MUTABLE if is_mutable(func) else KEYED if is_keyed(func) else PLAIN
+    return kind
+
+
+def keyed_now(args: tuple, kwargs: dict | None) -> bool:
+    """For a KEYED op: does it get a key in this call? Under ``no_grad``, an op none of whose
+    inputs requires grad gets no key and always runs: ZeRO-3's and FSDP's parameter all-gathers and
+    prefetches run there and differ between the profiled block, the forward and the recompute
+    (keys would shift). Ops inside a custom autograd Function's forward (ZeRO-3's linear) keep
+    theirs."""
     if torch.is_grad_enabled():
         return True
     leaves = tree_flatten((args, kwargs))[0]
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+def is_keyed_now(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> bool:
+    """`is_keyed` and `keyed_now` together."""
+    return is_keyed(func) and keyed_now(args, kwargs)
 
 
 @functools.cache
@@ -69,13 +97,14 @@ def is_random(func: torch._ops.OpOverload) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
 
 
-def mutated_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def mutated_args(
+    func: torch._ops.OpOverload, args: tuple, kwargs: dict | None
+) -> list[torch.Tensor]:
     """The tensors an in-place op writes to."""
     out = []
-    schema = func._schema
-    for i, a in enumerate(schema.arguments):
+    for i, a in enumerate(func._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
-            val = args[i] if i < len(args) else kwargs.get(a.name)
+            val = args[i] if i < len(args) else (kwargs or {}).get(a.name)
             if isinstance(val, torch.Tensor):
                 out.append(val)
     return out
@@ -89,11 +118,69 @@ def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def shape_class(tensors: list[torch.Tensor]) -> str:
+    """The rank of each tensor output, e.g. ``"4,3"``: the part of the shapes that a change of
+    batch size or sequence length leaves alone."""
+    return ",".join(str(t.dim()) for t in tensors)
+
+
+def mask_of(out: Any) -> torch.Tensor | None:
+    """The keep-mask a mask op yields: its bool output (``native_dropout``), or the op's one
+    tensor output (a tensor filled in place by an RNG op, CPU dropout's float noise)."""
+    tensors = tensor_outputs(out)
+    for t in reversed(tensors):
+        if t.dtype == torch.bool:
+            return t
+    return tensors[0] if len(tensors) == 1 else None
+
+
+def cache_target(mask: bool, out: Any) -> torch.Tensor:
+    """The tensor a codec compresses for an op: its mask for a mask op, else its first output
+    (the profiler and the runtime agree through this)."""
+    if mask:
+        m = mask_of(out)
+        if m is not None:
+            return m
+    return tensor_outputs(out)[0]
+
+
+# -- RNG state ------------------------------------------------------------------------------
+
+
+def generator_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None, device: Any):
+    """The generator a random op draws from: its ``generator`` argument, else the default
+    generator of ``device`` (None where torch has none to offer)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "generator":
+            g = args[i] if i < len(args) else (kwargs or {}).get("generator")
+            if isinstance(g, torch.Generator):
+                return g
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.default_generator
+    module = getattr(torch, device.type, None)
+    gens = getattr(module, "default_generators", None)
+    if not gens:
+        return None
+    index = device.index if device.index is not None else module.current_device()
+    return gens[index]
+
+
+def device_of(args: tuple, out: Any) -> torch.device:
+    for t in tensor_outputs(out) or tensor_outputs(args):
+        return t.device
+    return torch.device("cpu")
+
+
+# -- regions and keys -----------------------------------------------------------------------
+
+
 class RegionTracker:
     """Knows which submodule of a block is running, via forward hooks on its submodules.
 
     The hooks push and pop the submodule's path (relative to the block); `current` is the innermost
-    one, ``""`` for the block's own code. `remove()` takes every hook off again.
+    one, ``""`` for the block's own code. `remove()` takes every hook off again: the runtime
+    installs them only for the forward that builds a block's slot table.
     """
 
     def __init__(self, block: nn.Module) -> None:
@@ -142,3 +229,8 @@ class OpKeyer:
         n = self.counts[(region, packet)]
         self.counts[(region, packet)] = n + 1
         return f"{region}/{packet}#{n}", region, packet
+
+
+def region_of(key: str) -> str:
+    """The region part of an op key (``"self_attn.q_proj/mm#0"`` -> ``"self_attn.q_proj"``)."""
+    return key.rpartition("/")[0]

@@ -10,16 +10,20 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..adapters import Adapter, BlockGroup, get_adapter, unwrap_model
+from ..codecs.bitpack import mask_scale
 from ..schema import BlockTrace, ModelTrace, OpSpec
 from .ops import (
+    NATIVE_DROPOUT,
     OpKeyer,
     RegionTracker,
     is_keyed_now,
     is_mutable,
     is_random,
     mutated_args,
+    shape_class,
     storage_id,
     tensor_outputs,
 )
@@ -36,13 +40,41 @@ class _Rec:
     dtype: str
     nbytes: int
     random: bool
-    mutated: bool = False
+    ranks: str = ""
+    native_mask: bool = False  # native_dropout: (output, bool mask)
+    read: bool = False  # some op other than an in-place one has used the output
+    fills: int = 0  # in-place ops on the output before it was read
+    random_fill: bool = False  # one of them drew from an RNG (CPU dropout's noise)
+    fill_is_mask: bool = False  # the filled value is a 0-or-scale mask (bitpack-exact)
+    mutated: bool = False  # written in place after being read (or filled without an RNG)
     saved: bool = False
     elapsed: Any = None
 
+    @property
+    def mask(self) -> bool:
+        return self.native_mask or (self.random_fill and self.fill_is_mask and not self.mutated)
+
+    @property
+    def cacheable(self) -> bool:
+        return not self.mutated and (self.fills == 0 or self.random_fill)
+
+
+def _extend(elapsed: Any, more: Any) -> Any:
+    """One timing covering an op and the in-place fills that complete its output (CPU: the sum;
+    CUDA events: from the op's start to the last fill's end)."""
+    if elapsed is None or more is None:
+        return elapsed
+    if isinstance(elapsed, tuple):
+        return (elapsed[0], more[1])
+    return elapsed + more
+
 
 class _Recorder(TorchDispatchMode):
-    """Records every keyed op of one block run (and, with a timer, how long each op took)."""
+    """Records every keyed op of one block run (and, with a timer, how long each op took).
+
+    An op whose output is filled in place before anything reads it (``empty_like`` then
+    ``bernoulli_`` and ``div_``: CPU dropout's noise) is recorded with its fills: their time is
+    its time, and a random fill makes it a cacheable mask op (the runtime replays the RNG)."""
 
     def __init__(self, keyer: OpKeyer, timer: Any = None) -> None:
         super().__init__()
@@ -61,15 +93,28 @@ class _Recorder(TorchDispatchMode):
         else:
             out, elapsed = self.timer(func, args, kwargs)
         keyed = not is_mutable(func) and is_keyed_now(func, args, kwargs)
-        if elapsed is not None and not keyed:
-            self.other_ms.append(elapsed)
         if is_mutable(func):
+            filled = None
             for t in mutated_args(func, args, kwargs):
                 idx = self.produced.get(storage_id(t))
-                if idx is not None:
-                    self.recs[idx].mutated = True
+                if idx is None:
+                    continue
+                rec = self.recs[idx]
+                if rec.read:
+                    rec.mutated = True
+                else:
+                    rec.fills += 1
+                    rec.random_fill |= is_random(func)
+                    filled = rec
+            if filled is not None and self.timer is not None:
+                filled.elapsed = _extend(filled.elapsed, elapsed)
+            elif elapsed is not None:
+                self.other_ms.append(elapsed)
             return out
+        self._note_reads(args, kwargs)
         if not keyed:
+            if elapsed is not None:
+                self.other_ms.append(elapsed)
             return out
         tensors = tensor_outputs(out)
         key, region, packet = self.keyer.key(func)
@@ -83,6 +128,8 @@ class _Recorder(TorchDispatchMode):
             dtype=str(first.dtype),
             nbytes=sum(t.numel() * t.element_size() for t in tensors),
             random=is_random(func),
+            ranks=shape_class(tensors),
+            native_mask=func is NATIVE_DROPOUT,
         )
         for t in tensors:
             if t.numel():
@@ -92,6 +139,20 @@ class _Recorder(TorchDispatchMode):
             rec.elapsed = elapsed
             self.outputs.append(out)
         return out
+
+    def _note_reads(self, args: tuple, kwargs: dict) -> None:
+        for t in tree_flatten((args, kwargs))[0]:
+            if not isinstance(t, torch.Tensor) or not t.numel():
+                continue
+            idx = self.produced.get(storage_id(t))
+            if idx is None or self.recs[idx].read:
+                continue
+            rec = self.recs[idx]
+            rec.read = True
+            if rec.random_fill:
+                rec.fill_is_mask = t.dtype == torch.bool or not bool(torch.isnan(mask_scale(t)))
+            elif rec.fills:
+                rec.mutated = True  # filled without an RNG: not a mask, not cached
 
 
 class _TraceDone(Exception):
@@ -227,7 +288,7 @@ def record_block(
     for sid, idx in rec.produced.items():
         if sid in saved:
             rec.recs[idx].saved = True
-    types = adapter.layer_types([(r.region, r.packet) for r in rec.recs], group.name)
+    types = adapter.layer_types([(r.region, r.packet) for r in rec.recs], group)
     ops = [
         OpSpec(
             key=r.key,
@@ -236,8 +297,10 @@ def record_block(
             dtype=r.dtype,
             nbytes=r.nbytes,
             saved=r.saved,
-            cacheable=not (r.mutated or r.random),
+            cacheable=r.cacheable,
             aten=r.aten,
+            shape_class=r.ranks,
+            mask=r.mask,
         )
         for r, t in zip(rec.recs, types, strict=True)
     ]

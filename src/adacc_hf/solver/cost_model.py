@@ -6,8 +6,9 @@ and the session, benchmarks and tests ask `predict` about any policy (solved or 
 
 Per op of a checkpointed block: retain (0 ms, ``retain_nbytes``), compress with codec c (encode +
 decode ms, encoded bytes), recompute (``fwd_ms``, 0 bytes). Per block group: a checkpointed block
-holds its input plus what its ops keep and pays ``fixed_ms`` for ops that always rerun; a plain
-block holds ``full_nbytes``. The step's peak is `step.step_peak` over those blocks.
+holds its input plus what its ops keep and pays ``fixed_ms`` for ops that always rerun, plus
+``dispatch_ms`` (the runtime's dispatch modes, measured) if it keeps any op; a plain block holds
+``full_nbytes``. The step's peak is `step.step_peak` over those blocks.
 
 The MILP bounds activations by one linear constraint (``held + transient <= cap``, `evaluate`);
 the solver then checks the whole step's peak of each candidate and adjusts the cap.
@@ -23,7 +24,7 @@ import torch
 from ..codecs import get_codec
 from ..errors import PolicyError
 from ..policy import Policy
-from ..schema import Action, GroupProfile, OpProfile, Profile, variant_key
+from ..schema import ALWAYS_RETAIN, Action, GroupProfile, OpProfile, Profile, variant_key
 from .static import StaticMemory
 from .step import BlockLoad, StepEstimate, extreme_peaks, in_forward_order, step_peak
 
@@ -61,11 +62,15 @@ class GroupModel:
 def choices_for(
     op: OpProfile, codecs: set[str] | None, max_rel_error: float | None
 ) -> list[Choice]:
-    """The op's actions (retain, codecs by name, recompute) minus the dominated ones.
+    """The op's actions (retain, codecs by name, recompute) minus the dominated ones (recompute
+    always stays: a block that keeps nothing does not pay the runtime's dispatch overhead); only
+    retain for `ALWAYS_RETAIN` layer types (MoE routers).
 
     The block's own output is not retained: that would skip one op's recompute but keep the
     output alive until the block's backward, where full recomputation has freed it."""
     cands = [] if op.block_output else [Choice("retain", Action.retain(), 0.0, op.retain_nbytes)]
+    if op.layer_type in ALWAYS_RETAIN:
+        return cands
     for name in sorted(op.codecs):
         cp = op.codecs[name]
         if codecs is not None and name not in codecs:
@@ -79,6 +84,8 @@ def choices_for(
 
     def beaten(i: int) -> bool:
         a = cands[i]
+        if a.label == "recompute":  # keeping nothing spares the block the dispatch overhead
+            return False
         for j, b in enumerate(cands):
             no_worse = j != i and b.ms <= a.ms and b.nbytes <= a.nbytes
             if no_worse and (b.ms < a.ms or b.nbytes < a.nbytes or j < i):
@@ -116,11 +123,16 @@ def evaluate(
         g, kg = gm.prof, k[gm.name]
         held += (g.num_blocks - kg) * g.full_nbytes + kg * g.input_nbytes
         ms.append(kg * g.fixed_ms)
+        keeping = 0  # blocks that keep any op: realisation puts kept actions first
         for op, choices in gm.ops:
+            kept = 0
             for c in choices:
                 y = counts[gm.name][op.key].get(c.label, 0)
                 held += y * c.nbytes
                 ms.append(y * c.ms)
+                kept += y if c.label != "recompute" else 0
+            keeping = max(keeping, kept)
+        ms.append(keeping * dispatch_ms(g))
         if kg:
             transient = max(transient, g.transient_nbytes)
         if kg < g.num_blocks:
@@ -178,6 +190,11 @@ def head_transient(profile: Profile) -> int:
     return int(profile.head_transient_nbytes)
 
 
+def dispatch_ms(g: GroupProfile) -> float:
+    """Runtime overhead of one checkpointed block of ``g`` that keeps any op (0 if unmeasured)."""
+    return float(getattr(g, "dispatch_ms", 0.0) or 0.0)
+
+
 def recompute_ms(groups: list[GroupModel]) -> float:
     """Added time of full recomputation: the scale of ``mip_gap``."""
     per = [
@@ -210,6 +227,8 @@ def block_loads(profile: Profile, policy: Policy) -> tuple[dict[str, list[BlockL
                 continue
             b, t = g.input_nbytes, [g.fixed_ms]
             kept = kept_saved = kept_shared = enc_ws = dec_ws = 0
+            if any(a.kind != "recompute" for a in v.actions.values()):
+                t.append(dispatch_ms(g))
             for op in g.ops:
                 if not op.cacheable:
                     continue

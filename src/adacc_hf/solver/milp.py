@@ -6,15 +6,21 @@ action a, the integer ``y[g,i,a] >= 0`` counts the checkpointed blocks applying 
 (``sum_a y[g,i,a] = K_g``). Costs per op and checkpointed block: retain (0 ms, ``retain_nbytes``),
 compress with codec c (encode + decode ms, encoded bytes), recompute (``fwd_ms``, 0 bytes)::
 
-    minimise   sum_g [K_g fixed_ms_g + sum_{i,a} y t] + 1e-6 sum_g K_g + 1e-9 H
+    minimise   sum_g [K_g fixed_ms_g + V_g dispatch_ms_g + sum_{i,a} y t] + 1e-6 sum_g K_g
+               + 1e-9 H
     subject to H = sum_g [(N_g - K_g) full_g + K_g input_g + sum_{i,a} y m]
                H <= caps.all,   H + T <= caps.blocks,
-               K_g <= N_g z_g,   T >= transient_g z_g,   N_g - K_g <= N_g w_g,
-               T >= plain_transient_g w_g
+               K_g <= N_g z_g,   T >= transient_g z_g,   N_g - K_g <= N_g p_g,
+               T >= plain_transient_g p_g
 
 (memory in MiB inside the LP). The caps come from the step model (`step`): what the budget leaves
 for held activations at the end of forward, and for them plus one block's backward transient at
-the last block's backward; `plan` checks each solution's whole step and moves the caps. ``split_blocks=False`` is the paper's formulation: one action per
+the last block's backward; `plan` checks each solution's whole step and moves the caps. ``V_g``
+counts the checkpointed blocks that pay the runtime's dispatch overhead (it keeps some op): with
+binary ``w_g`` (some block of the group keeps an op), kept counts ``y <= m N_g w_g`` and
+``V_g >= K_g - N_g (1 - w_g)``; a group mixing blocks that keep and blocks that do not is charged
+for all its checkpointed blocks (an upper bound; `evaluate` prices the solution exactly).
+``split_blocks=False`` is the paper's formulation: one action per
 op for all blocks of a group (``K_g = N_g c_g``, ``y = N_g x``, ``c``, ``x`` binary). Neither
 reduction below can change the optimum: actions that another action of the same op beats on both
 time and memory are dropped, and ops with identical costs share one count per action (their
@@ -34,7 +40,7 @@ import pulp
 
 from ..schema import OpProfile
 from .budget import MiB
-from .cost_model import Choice, GroupModel, evaluate
+from .cost_model import Choice, GroupModel, dispatch_ms, evaluate
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,12 @@ def solve_lp(
         objective.append((g.fixed_ms + EPS_BLOCK_MS) * scale * k)
         held.append(n * g.full_nbytes / MiB - (g.full_nbytes - g.input_nbytes) / MiB * scale * k)
         y_vars[gm.name] = []
+        d_ms = dispatch_ms(g)
+        w = _var(prob, f"w{gi}", 0, 1, pulp.LpBinary) if d_ms > 0 else None
+        if w is not None:  # checkpointed blocks pay the dispatch overhead when any op is kept
+            v = _var(prob, f"v{gi}", 0, n, pulp.LpContinuous)
+            prob += v >= scale * k - n * (1 - w), f"dispatch_{gi}"
+            objective.append(d_ms * v)
         for ci, (ops, choices) in enumerate(_classes(gm)):
             m = len(ops)
             hi = m * (n if split_blocks else 1)
@@ -147,11 +159,13 @@ def solve_lp(
                 c.label: _var(prob, f"y{gi}_{ci}_{ai}", 0, hi, pulp.LpInteger)
                 for ai, c in enumerate(choices)
             }
-            for c in choices:
+            for ai, c in enumerate(choices):
                 if c.ms:
                     objective.append(c.ms * scale * ys[c.label])
                 if c.nbytes:
                     held.append(c.nbytes / MiB * scale * ys[c.label])
+                if w is not None and c.label != "recompute":
+                    prob += ys[c.label] <= hi * w, f"keeps_{gi}_{ci}_{ai}"
             prob += pulp.lpSum(ys.values()) == m * k, f"one_action_{gi}_{ci}"
             y_vars[gm.name].append((ops, choices, ys))
         if t_var is None:
@@ -164,9 +178,9 @@ def solve_lp(
                 z = k
             prob += t_var >= g.transient_nbytes / MiB * z, f"transient_{gi}"
         if g.plain_transient_nbytes:  # some block of the group plain
-            w = _var(prob, f"w{gi}", 0, 1, pulp.LpBinary)
-            prob += n - scale * k <= n * w, f"w_{gi}"
-            prob += t_var >= g.plain_transient_nbytes / MiB * w, f"plain_transient_{gi}"
+            p = _var(prob, f"p{gi}", 0, 1, pulp.LpBinary)
+            prob += n - scale * k <= n * p, f"p_{gi}"
+            prob += t_var >= g.plain_transient_nbytes / MiB * p, f"plain_transient_{gi}"
     held_expr = pulp.lpSum(held)
     prob += pulp.lpSum(objective) + EPS_MIB_MS * held_expr
     prob += held_expr <= caps.all_nbytes / MiB, "held"

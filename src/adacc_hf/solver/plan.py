@@ -140,15 +140,14 @@ def _search(groups, budget, caps, split_blocks, backend, realise):
     move by the overshoot (or the room left), then are bisected. Returns (K, counts, status,
     policy, prediction) of the fastest fitting candidate, or None.
     """
-    lo = hi = None  # cap shifts known to fit / not to fit
+    lo = hi = floor = None  # cap shifts known to fit / to overshoot / to be infeasible (too tight)
     best = None
     shift = 0
     for _ in range(CAP_STEPS):
         ks, counts, status, _reason = run(groups, caps.shifted(shift), split_blocks, backend)
-        if status == "fallback":  # the solver failed, or nothing holds this little
-            if lo is None and best is None and shift >= 0:
-                return None
-            hi = shift if hi is None else min(hi, shift)
+        room = 0
+        if status == "fallback":  # the solver failed, or nothing holds this little: loosen
+            floor = shift if floor is None else max(floor, shift)
         else:
             policy, pred = realise(ks, counts)
             room = budget - pred.peak_nbytes
@@ -163,14 +162,15 @@ def _search(groups, budget, caps, split_blocks, backend, realise):
                     break
             else:
                 hi = shift if hi is None else min(hi, shift)
-        if lo is not None and hi is not None:
-            if hi - lo <= CAP_TOLERANCE * budget:
+        below = max((x for x in (lo, floor) if x is not None), default=None)
+        if below is not None and hi is not None:
+            if hi - below <= CAP_TOLERANCE * budget:
                 break
-            shift = (lo + hi) // 2
-        elif lo is not None:
-            shift += max(room, 1)
+            shift = (below + hi) // 2
+        elif below is not None:
+            shift += max(room, 1) if status != "fallback" else max(budget // 16, 1)
         else:
-            shift -= max(-room if status != "fallback" else budget // 16, 1)
+            shift -= max(-room, 1)
     return best
 
 

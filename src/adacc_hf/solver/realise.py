@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..policy import Policy
-from ..schema import RECOMPUTE, GroupPolicy, Profile, Variant
+from ..schema import ALWAYS_RETAIN, RECOMPUTE, GroupPolicy, OpProfile, Profile, Variant
 from .cost_model import GroupModel, Prediction
 
 
@@ -41,9 +41,15 @@ class Solution:
 def full_recompute_counts(groups: list[GroupModel]) -> tuple[dict[str, int], dict]:
     ks = {gm.name: gm.prof.num_blocks for gm in groups}
     counts = {
-        gm.name: {op.key: {"recompute": gm.prof.num_blocks} for op, _ in gm.ops} for gm in groups
+        gm.name: {op.key: {_least(op): gm.prof.num_blocks} for op, _ in gm.ops} for gm in groups
     }
     return ks, counts
+
+
+def _least(op: OpProfile) -> str:
+    """Full recomputation's action for an op: recompute, or retain where nothing else is allowed
+    (`ALWAYS_RETAIN` layer types)."""
+    return "retain" if op.layer_type in ALWAYS_RETAIN else "recompute"
 
 
 def variants(gm: GroupModel, k: int, counts: dict[str, dict[str, int]]) -> list[Variant]:

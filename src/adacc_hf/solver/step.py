@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..schema import GroupProfile, Profile, Timeline
+from ..schema import ALWAYS_RETAIN, GroupProfile, Profile, Timeline
 from .static import StaticMemory
 
 
@@ -225,13 +225,18 @@ def lp_caps(
     return budget - resident - acc - at_end, budget - resident - in_flight - at_last
 
 
+def pinned_nbytes(g: GroupProfile) -> int:
+    """Bytes a checkpointed block of `g` retains under any policy (`ALWAYS_RETAIN` ops)."""
+    return sum(o.retain_nbytes for o in g.ops if o.cacheable and o.layer_type in ALWAYS_RETAIN)
+
+
 def uniform_loads(profile: Profile, checkpoint: dict[str, bool]) -> list[BlockLoad]:
-    """Every block of each group checkpointed with everything recomputed (holding what full
-    recomputation holds), or not checkpointed at all (holding ``full_nbytes``), per group."""
+    """Every block of each group checkpointed with everything recomputed but `ALWAYS_RETAIN` ops
+    (holding what full recomputation holds), or not checkpointed at all (holding ``full_nbytes``), per group."""
     out = []
     for name, _ in profile.block_order():
         g = profile.groups[name]
-        held = g.input_nbytes if checkpoint[name] else g.full_nbytes
+        held = g.input_nbytes + pinned_nbytes(g) if checkpoint[name] else g.full_nbytes
         out.append(BlockLoad(name, held, checkpoint[name]))
     return out
 

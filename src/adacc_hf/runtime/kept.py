@@ -1,0 +1,102 @@
+"""What the runtime keeps of an op's output between forward and backward, and how replay gets
+the output back.
+
+An `Entry` holds an op's outputs raw (retain), encoded (compress: the main output with the slot's
+codec, bool outputs bit-packed, small statistics such as layer norm's mean and rstd exact) or,
+for ``native_dropout``, only its bit-packed mask (replay rebuilds the output from the input and
+the mask, bit for bit). Raw tensors remember their version counter: a kept output mutated in
+place afterwards is an error, never a silent wrong gradient. Decoded outputs get the strides the
+op's output had, so the ops after them take the same paths as in forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..codecs import Codec, Encoded
+from ..errors import PolicyError
+from .ops import detach_for_cache, mask_of
+from .slots import MASK_ONLY, RAW, Slot
+
+
+class Entry:
+    """A kept op output: raw, encoded, or only its mask; plus what replay needs."""
+
+    __slots__ = ("enc", "nbytes", "rng", "slot", "strides", "value", "versions")
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+        self.value: list[Any] = []  # per output: the raw value, or None where encoded
+        self.enc: list[Encoded | None] = []
+        self.strides: list[tuple[int, ...] | None] = []  # of encoded outputs
+        # (generator, state) after the op; for a filled tensor, one per fill (None: no RNG)
+        self.rng: list[Any] = []
+        self.versions: list[tuple[torch.Tensor, int]] = []  # raw tensors: no later mutation
+        self.nbytes = 0
+
+
+def keep(rt: Any, slot: Slot, out: Any) -> Entry:
+    """Snapshot ``out`` the way ``slot`` says: raw, encoded (the main output with the slot's
+    codec, bool outputs bit-packed, small statistics exact), or only its mask."""
+    e = Entry(slot)
+    if slot.store == MASK_ONLY:
+        e.enc = [rt.bitpack.encode(mask_of(out))]
+        e.nbytes = e.enc[0].nbytes()
+        return e
+    for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+        codec = slot.codec if slot.store != RAW and i == 0 else None
+        if slot.store != RAW and isinstance(t, torch.Tensor) and t.dtype == torch.bool:
+            codec = rt.bitpack
+        if codec is not None and isinstance(t, torch.Tensor) and t.dtype in codec.dtypes:
+            enc = codec.encode(t)
+            e.enc.append(enc)
+            e.strides.append(t.stride())
+            e.value.append(None)
+            e.nbytes += enc.nbytes()
+            continue
+        v = detach_for_cache(t)
+        e.enc.append(None)
+        e.strides.append(None)
+        e.value.append(v)
+        if isinstance(v, torch.Tensor):
+            e.versions.append((v, v._version))
+            e.nbytes += v.numel() * v.element_size()
+    return e
+
+
+def unpack(rt: Any, e: Entry, args: tuple) -> Any:
+    """The op's output rebuilt from a kept entry (once, in replay)."""
+    slot = e.slot
+    if slot.random and e.rng and e.rng[0] is not None:
+        gen, state = e.rng[0]
+        gen.set_state(state)  # as forward left it after this op
+    if slot.store == MASK_ONLY:  # native_dropout: the output rebuilt from its input and mask
+        mask = rt.bitpack.decode(e.enc[0])
+        p = float(args[1])
+        scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+        return torch.ops.aten.native_dropout_backward(args[0], mask, scale), mask
+    for t, v in e.versions:
+        if t._version != v:
+            raise PolicyError(
+                f"op {slot.key} is kept by the policy but was mutated in place after it ran; it "
+                "must be recomputed"
+            )
+    vals = [
+        v if enc is None else _decode(rt.codec_of(enc.codec), enc, stride)
+        for v, enc, stride in zip(e.value, e.enc, e.strides, strict=True)
+    ]
+    return vals[0] if slot.single else tuple(vals)
+
+
+def _decode(codec: Codec, enc: Encoded, stride: tuple[int, ...]) -> torch.Tensor:
+    """Decoded with the strides the op's output had: ops downstream (``.contiguous()``,
+    ``reshape``) must take the same paths as in forward. Codecs decode dense layouts in memory
+    order with the right strides already; only exotic layouts (last dim not innermost,
+    overlapping) need a restriding copy."""
+    x = codec.decode(enc)
+    if x.stride() == stride or x.dim() == 0:
+        return x
+    y = torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device)
+    return y.copy_(x)

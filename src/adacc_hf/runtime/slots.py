@@ -1,0 +1,168 @@
+"""Slot tables: what the runtime does at each position of a block's forward, built once.
+
+The keyed ops of a block run in the same order on every forward with the same inputs (shapes,
+dtypes, autocast). A `SlotTable` maps each position in that order to a `Slot`: the op overload
+expected there and what to do with its output (nothing, keep it raw, keep it encoded, keep only
+its mask). The runtime builds one per (policy variant, call signature) on the first forward that
+sees it; every later forward just counts keyed ops and looks their slots up: no string
+formatting, no region hooks, no per-op allocation. A different op at a position, or a different
+op count, means the table no longer describes the block: the run keeps nothing and the table is
+rebuilt on the next forward.
+
+Building aligns what the forward ran with the policy's op list region by region (a region is a
+submodule of the block). A region whose ops differ from the policy's in number, key or signature
+(op overload, output dtype, shape class) gets no actions at all, with a warning: a policy traced
+on a block with one op more or fewer never acts on an op that merely took another's key.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..codecs import Codec
+from ..schema import Action, OpSpec
+from .ops import NATIVE_DROPOUT, is_random, region_of, shape_class
+
+# How a slot keeps an op's output.
+RAW, PACKED, MASK_ONLY = 0, 1, 2
+
+
+@dataclass(eq=False)
+class Slot:
+    """One keyed op position of a block forward."""
+
+    func: Any  # the op overload expected at this position
+    key: str
+    action: Action | None = None  # None: nothing is kept (recomputed in backward)
+    store: int = RAW  # RAW (retain), PACKED (compress), MASK_ONLY (native_dropout's mask)
+    codec: Codec | None = None
+    fill: bool = False  # the output is completed by in-place RNG fills before its first read
+    random: bool = False  # the op draws from an RNG: replay restores the state after it
+    single: bool = True  # the op returns one value (else a tuple)
+
+    def __post_init__(self) -> None:
+        self.single = len(self.func._schema.returns) == 1
+
+
+@dataclass(eq=False)
+class SlotTable:
+    slots: list[Slot]
+    problems: list[str] = field(default_factory=list)  # regions the policy does not describe
+    unknown: set[str] = field(default_factory=set)  # keys of the ops those regions ran
+
+    @property
+    def caches(self) -> bool:
+        return any(s.action is not None for s in self.slots)
+
+
+@dataclass
+class Observed:
+    """A keyed op as the table-building forward saw it."""
+
+    func: Any
+    key: str
+    dtype: str
+    ranks: str
+
+
+def observe(func: Any, key: str, tensors: list[torch.Tensor]) -> Observed:
+    return Observed(func, key, str(tensors[0].dtype) if tensors else "", shape_class(tensors))
+
+
+def matches(spec: OpSpec, seen: Observed) -> bool:
+    """Whether the op seen has the policy op's signature (fields the policy left empty, from
+    before signatures were recorded, are not checked)."""
+    return (
+        spec.key == seen.key
+        and (not spec.aten or spec.aten == str(seen.func))
+        and spec.dtype == seen.dtype
+        and (not spec.shape_class or spec.shape_class == seen.ranks)
+    )
+
+
+def _describe(spec: OpSpec | None, seen: Observed | None) -> str:
+    want = "nothing"
+    if spec is not None:
+        want = f"{spec.key} ({spec.aten or '?'}, {spec.dtype}, rank {spec.shape_class or '?'})"
+    got = f"{seen.key} ({seen.func}, {seen.dtype}, rank {seen.ranks})" if seen else "nothing"
+    return f"the policy has {want}, the block ran {got}"
+
+
+def misaligned_regions(specs: list[OpSpec], seen: list[Observed]) -> dict[str, str]:
+    """Regions whose op sequence differs from the policy's, each with its first difference."""
+    want: dict[str, list[OpSpec]] = defaultdict(list)
+    got: dict[str, list[Observed]] = defaultdict(list)
+    for spec in specs:
+        want[region_of(spec.key)].append(spec)
+    for o in seen:
+        got[region_of(o.key)].append(o)
+    bad = {}
+    for region in sorted(set(want) | set(got)):
+        a, b = want.get(region, []), got.get(region, [])
+        for i in range(max(len(a), len(b))):
+            sa = a[i] if i < len(a) else None
+            sb = b[i] if i < len(b) else None
+            if sa is None or sb is None or not matches(sa, sb):
+                bad[region] = _describe(sa, sb)
+                break
+    return bad
+
+
+def make_slot(func: Any, key: str, spec: OpSpec, action: Action | None, codec: Any) -> Slot:
+    """The slot of one op whose signature matched; ``codec(action)`` builds the action's codec."""
+    slot = Slot(func, key, random=is_random(func))
+    slot.fill = spec.mask and not slot.random  # CPU dropout: a tensor an RNG op fills
+    if action is None or action.kind == "recompute" or not spec.cacheable:
+        return slot
+    slot.action = action
+    if action.kind == "compress":
+        slot.codec = codec(action)
+        slot.store = MASK_ONLY if (func is NATIVE_DROPOUT and spec.mask) else PACKED
+    return slot
+
+
+def build_table(
+    specs: list[OpSpec], seen: list[Observed], actions: dict[str, Action], codec: Any
+) -> SlotTable:
+    """The table for the op sequence ``seen``: policy actions for the ops of every region that
+    matches the policy exactly, nothing for the others (listed in ``problems``)."""
+    by_key = {s.key: s for s in specs}
+    bad = misaligned_regions(specs, seen)
+    slots, unknown = [], set()
+    for o in seen:
+        spec = by_key.get(o.key)
+        if spec is None or region_of(o.key) in bad:
+            slots.append(Slot(o.func, o.key, random=is_random(o.func)))
+            unknown.add(o.key)
+            continue
+        slots.append(make_slot(o.func, o.key, spec, actions.get(o.key), codec))
+    problems = [f"region {r or '(block)'!r}: {why}" for r, why in sorted(bad.items())]
+    return SlotTable(slots, problems, unknown)
+
+
+def _sig(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype, v.device, v.requires_grad)
+    if isinstance(v, (tuple, list)):
+        return tuple(_sig(x) for x in v)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return type(v).__name__
+
+
+def call_signature(fn: Any, args: tuple) -> tuple:
+    """What decides a block's op sequence: shapes, dtypes and devices of its tensor arguments
+    (positional and the keywords transformers binds into ``fn``), plain values, autocast."""
+    parts: list[Any] = [_sig(a) for a in args]
+    for k, v in sorted((getattr(fn, "keywords", None) or {}).items()):
+        parts.append((k, _sig(v)))
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is not None:
+        dev = first.device.type
+        if torch.is_autocast_enabled(dev):
+            parts.append(("autocast", dev, torch.get_autocast_dtype(dev)))
+    return tuple(parts)
