@@ -353,7 +353,7 @@ def test_bf16_dynamic_padding_accumulation_and_evaluation_stay_in_budget(tmp_pat
     assert len(session.plans) >= 2  # several buckets, planned as they came
     assert sum("eval_loss" in e for e in trainer.state.log_history) >= 2
     planned = [e for e in trainer.state.log_history if "adacc/event_policy" in e]
-    assert len(planned) == len(session.plans)
+    assert len(planned) >= len(session.plans)  # each plan logged (and any evolution switch)
     opt = trainer.optimizer
     model.train()
     for key, plan in session.plans.items():

@@ -132,7 +132,10 @@ class OutlierTracker:
         new = copy.deepcopy(profile)
         changes = []
         for (group, key, codec), samples in self.samples.items():
-            op = next(o for o in new.groups[group].ops if o.key == key)
+            g = new.groups.get(group)
+            op = next((o for o in g.ops if o.key == key), None) if g is not None else None
+            if op is None or codec not in op.codecs:  # seen under another bucket's ops
+                continue
             cp = op.codecs[codec]
             ratio = sum(s.nbytes / (s.raw_nbytes or s.nbytes or 1) for s in samples) / len(samples)
             nbytes = round(ratio * op.nbytes) if samples[0].raw_nbytes else cp.nbytes
