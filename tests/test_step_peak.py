@@ -11,9 +11,10 @@ from transformers import TrainingArguments
 
 from adacc_hf import assets, measure_step_peak, prepare, profile_model
 from adacc_hf.codecs import get_codec, relative_error
+from adacc_hf.errors import BudgetError
 from adacc_hf.runtime.peak import AllocationTracker, live_state_nbytes
 from adacc_hf.solver import budget as budget_mod
-from adacc_hf.solver import budget_between, estimate_static_memory, parse_budget, solve
+from adacc_hf.solver import budget_between, estimate_static_memory, min_budget, parse_budget, solve
 
 KiB = 1024
 
@@ -160,4 +161,32 @@ def test_bf16_custom_loop_profiles_under_its_autocast(caplog):
     assert session.profile.autocast == str(torch.bfloat16)
     assert not session.handle.unknown_ops and "not in the policy" not in caplog.text
     assert any(o.dtype == "torch.bfloat16" for o in session.profile.groups["block"].ops)
+    session.close()
+
+
+def test_a_longer_batch_the_budget_cannot_hold_runs_full_recompute_with_a_warning(caplog):
+    """Mid-run, a batch longer than any planned one that no policy fits in the budget runs with
+    full recomputation (the least memory) and one warning naming the fix; with ``max_seq_len``
+    the same budget is refused before the first step."""
+    model = assets.tiny_model("llama")
+    short = assets.tiny_batch("llama", model, batch_size=4, seq_len=32)
+    long = assets.tiny_batch("llama", model, batch_size=4, seq_len=256)
+    static = estimate_static_memory(model, optimizer="sgd")
+    prof, prof_long = profile_model(model, short, repeats=1), profile_model(model, long, repeats=1)
+    budget = budget_between(prof, static, 0.5)
+    assert min_budget(prof_long, static) > budget  # the long batch fits no policy
+    session = prepare(model, budget, optimizer="sgd", adaptive=False)
+    with caplog.at_level(logging.WARNING, logger="adacc_hf"):
+        for batch in (short, long, long):
+            model(**batch).loss.backward()
+    assert caplog.text.count("does not fit the budget") == 1
+    assert "max_seq_len" in caplog.text
+    assert session.policy.metadata["source"] == "least_memory"
+    assert {
+        a.kind for v in session.policy.groups["block"].variants for a in v.actions.values()
+    } <= {"recompute"}
+    session.close()
+    session = prepare(model, budget, optimizer="sgd", adaptive=False, max_seq_len=256)
+    with pytest.raises(BudgetError, match="budget"):
+        model(**short)
     session.close()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..adapters import unwrap_model
+from ..errors import BudgetError
 from ..evolution import OutlierTracker, TrackingSchedule
 from ..policy import Policy
 from ..policy.display import describe, metrics
@@ -30,6 +31,7 @@ from ..schema import Profile
 from ..solver import (
     StaticMemory,
     estimate_static_memory,
+    least_memory_policy,
     parse_budget,
     planned_budget,
     predict,
@@ -102,6 +104,7 @@ class AdaccSession:
         self._hook: Any = None
         self._planning = False
         self._tracker: OutlierTracker | None = None
+        self._warned: set[str] = set()
         self.step = 0
 
     # ------------------------------------------------------------------ plans
@@ -185,7 +188,27 @@ class AdaccSession:
             profile = self.profiles[key]
         else:
             profile = self.profiles[key] = self._profile(batch, key, probes)
-        policy = self._solve_measured(profile, probes)
+        try:
+            policy = self._solve_measured(profile, probes)
+        except BudgetError as e:
+            if self.current is None:  # the run's first plans: fail before any work is lost
+                raise
+            # A batch longer than any planned one, which the budget cannot hold: never silently
+            # over budget, and never a crash mid-run where full recomputation trains.
+            acc = self.config.gradient_accumulation_steps
+            policy = least_memory_policy(profile, self._static(), acc)
+            policy.metadata.update(
+                budget_spec=str(self.config.budget), budget_nbytes=self._budget()
+            )
+            if "over_budget" not in self._warned:
+                self._warned.add("over_budget")
+                logger.warning(
+                    "adacc: a batch of shape %s does not fit the budget under any policy (%s); "
+                    "it runs with full recomputation. Set adacc_max_seq_len (or max_length) to the "
+                    "run's longest batch so this is caught before training starts.",
+                    _key_text(key),
+                    e,
+                )
         policy.metadata["shape_key"] = list(key)
         plan = self.plans[key] = Plan(key, policy, profile)
         msg = f"bucket {_key_text(key)}: {describe(policy)}"

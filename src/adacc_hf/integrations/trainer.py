@@ -51,6 +51,32 @@ __all__ = [
 INTEGRATION = "adacc"
 
 
+#: Datasets up to this many rows are scanned for their longest ``input_ids`` (cheap: lengths only).
+SCAN_ROWS = 100_000
+
+
+def longest_sequence(args: Any, collator: Any = None, dataset: Any = None) -> int | None:
+    """The run's longest batch length, where the run says it: TRL's ``max_length`` /
+    ``max_seq_length``, a collator padding to ``max_length``, or the longest ``input_ids`` of a
+    (pre-tokenised, not too large) training dataset. None when nothing says it (each new length
+    is then planned when it first comes)."""
+    for name in ("max_length", "max_seq_length"):
+        n = getattr(args, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    n = getattr(collator, "max_length", None)
+    if isinstance(n, int) and n > 0 and getattr(collator, "padding", None) == "max_length":
+        return n
+    try:
+        if dataset is not None and 0 < len(dataset) <= SCAN_ROWS:
+            names = getattr(dataset, "column_names", None)
+            if names is not None and "input_ids" in names:
+                return max(len(r) for r in dataset["input_ids"]) or None
+    except Exception:  # an iterable or unusual dataset: nothing to read
+        return None
+    return None
+
+
 def run_config(config: AdaccConfig, args: TrainingArguments) -> AdaccConfig:
     """`config` with what the run decides filled in from its arguments: the optimizer, mixed
     precision, world size and sharding (per-device budgets divide sharded states)."""
@@ -119,6 +145,13 @@ class AdaccCallback(TrainerCallback):
         if self.session is not None:
             self.session.close()
         config = run_config(self._config(args), args)
+        if config.max_seq_len is None:
+            loader = kwargs.get("train_dataloader")
+            collate = getattr(loader, "collate_fn", None)
+            collate = getattr(collate, "data_collator", collate)  # Trainer's column remover
+            longest = longest_sequence(args, collate, getattr(loader, "dataset", None))
+            if longest is not None:
+                config = dataclasses.replace(config, max_seq_len=longest)
         self.session = AdaccSession(model, config, policy=policy, profile=profile)
         if sched:
             self.session.restore_schedule(sched)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,9 @@ class AllocationTracker:
         else:
             from torch.profiler import ProfilerActivity, profile
 
+            # Kineto logs every profiler start / stop to stderr; it reads this before its first
+            # use (a user's own setting wins).
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
         return self

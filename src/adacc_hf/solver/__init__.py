@@ -20,7 +20,7 @@ from .cost_model import (
     planned_budget,
     predict,
 )
-from .plan import Solution, solve, solve_policy
+from .plan import Solution, least_memory_policy, solve, solve_policy
 from .static import StaticMemory, estimate_static_memory, measured_static_memory
 from .step import StepEstimate, step_peak
 
@@ -33,6 +33,7 @@ __all__ = [
     "budget_between",
     "describe_budget",
     "estimate_static_memory",
+    "least_memory_policy",
     "measured_static_memory",
     "min_budget",
     "no_checkpoint_budget",

@@ -252,3 +252,24 @@ def infeasible_message(
         "Activations dominate: raise the budget, use a smaller micro-batch (with gradient "
         "accumulation) or shorter sequences."
     )
+
+
+def least_memory_policy(
+    profile: Profile, static_nbytes: int | StaticMemory = 0, accumulation: int = 1
+) -> Policy:
+    """Full recomputation (router outputs retained): the policy holding the least, for a batch
+    the budget cannot hold; its metadata holds the predicted numbers."""
+    groups = group_models(profile, None, None)
+    policy = policy_from_counts(profile, groups, *full_recompute_counts(groups))
+    pred = predict(profile, policy, static_nbytes, accumulation)
+    policy.metadata = {
+        "source": "least_memory",
+        "predicted": {
+            "held_nbytes": pred.held_nbytes,
+            "transient_nbytes": pred.transient_nbytes,
+            "peak_nbytes": pred.peak_nbytes,
+            "peak_moment": pred.moment,
+            "added_ms": pred.added_ms,
+        },
+    }
+    return policy
