@@ -350,6 +350,8 @@ def test_bf16_dynamic_padding_accumulation_and_evaluation_stay_in_budget(tmp_pat
         trainer.train()
     session = trainer.adacc_session
     assert "not in the policy" not in caplog.text
+    assert not session.handle.problems, session.handle.problems[:3]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text[:2000]
     assert len(session.plans) >= 2  # several buckets, planned as they came
     assert sum("eval_loss" in e for e in trainer.state.log_history) >= 2
     planned = [e for e in trainer.state.log_history if "adacc/event_policy" in e]

@@ -33,6 +33,7 @@ from ..schema import Action, GroupPolicy, Variant
 from .kept import Entry, keep, unpack
 from .ops import (
     _KINDS,
+    _TO_COPY,
     KEYED,
     MUTABLE,
     OpKeyer,
@@ -43,6 +44,7 @@ from .ops import (
     keyed_now,
     mutated_args,
     op_kind,
+    param_cast,
     tensor_outputs,
 )
 from .slots import (
@@ -261,7 +263,11 @@ class _KeepMode(_FastMode):
             return out
         if self.pending:
             self._read(args)
-        if kind != KEYED or not (_grad_enabled() or keyed_now(args, kwargs)):
+        if (
+            kind != KEYED
+            or not (_grad_enabled() or keyed_now(args, kwargs))
+            or (func is _TO_COPY and param_cast(func, args))
+        ):
             return out
         pos = self.pos
         self.pos = pos + 1
@@ -338,7 +344,12 @@ class _ReplayMode(_FastMode):
         kind = _KINDS.get(func)
         if kind is None:
             kind = op_kind(func)
-        if kind == KEYED and self.run.store and (_grad_enabled() or keyed_now(args, kwargs)):
+        if (
+            kind == KEYED
+            and self.run.store
+            and (_grad_enabled() or keyed_now(args, kwargs))
+            and not (func is _TO_COPY and param_cast(func, args))
+        ):
             pos = self.pos
             self.pos = pos + 1
             e = self.run.store.pop(pos, None)

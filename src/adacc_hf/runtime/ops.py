@@ -82,9 +82,23 @@ def keyed_now(args: tuple, kwargs: dict | None) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
 
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def param_cast(func: torch._ops.OpOverload, args: tuple) -> bool:
+    """A cast of a parameter (a leaf that requires grad): exactly what autocast's weight-cast cache
+    holds, so whether it runs depends on the cache (the first use in an autocast region casts,
+    later ones hit the cache; the profile, the forward and the recompute differ). It gets no key
+    and always runs, so keys never shift with the cache."""
+    if func is not _TO_COPY or not args:
+        return False
+    t = args[0]
+    return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
+
+
 def is_keyed_now(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> bool:
-    """`is_keyed` and `keyed_now` together."""
-    return is_keyed(func) and keyed_now(args, kwargs)
+    """`is_keyed` and `keyed_now` together, parameter casts left out (`param_cast`)."""
+    return is_keyed(func) and keyed_now(args, kwargs) and not param_cast(func, args)
 
 
 @functools.cache
