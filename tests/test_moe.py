@@ -172,6 +172,39 @@ def test_router_outputs_are_retained_so_recompute_routes_as_forward(family):
     assert any(not torch.equal(fwd, rec) for fwd, rec in pairs)
 
 
+@pytest.mark.parametrize("family", MOE)
+def test_a_router_the_runtime_cannot_retain_makes_its_block_keep_nothing_lossy(family):
+    """A forward hook installed on the router after the policy was made runs one op more in the
+    router's region, so the runtime cannot align that region and keeps none of its ops. The
+    router then reruns in backward, so every lossy encoding in its block is dropped too: the block
+    recomputes from exact values, and its gradients equal the unpatched model's bit for bit."""
+    model = family_model(family)
+    _near_tie(model)
+    batch = family_batch(model)
+    policy = uniform_policy(model, "compress", batch)
+    for gp in policy.groups.values():
+        if not any(op.layer_type == "router" for op in gp.ops):
+            gp.variants[0].actions.clear()  # Qwen2-MoE's dense blocks: exact, plain checkpointing
+    lossy = {
+        k for gp in policy.groups.values() for k, a in gp.variants[0].actions.items()
+        if a.kind == "compress" and a.codec != "bitpack"
+    }  # fmt: skip
+    assert lossy
+    ref_loss, ref_grads, _ = step(model, batch)
+    log = RoutingLog(model)  # its hook clones the expert indices: an op the policy never saw
+    with apply_adacc(model, policy) as handle:
+        loss, grads, _ = step(model, batch)
+        kept = {k for rt in handle.runtimes.values() for k in rt.last_bytes}
+        problems = handle.problems
+    log.close()
+    assert any("router" in p and "lossy" in p for p in problems)
+    assert not kept & lossy
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    for fwd, rec in log.per_router().values():  # forward, then backward's recompute
+        assert torch.equal(fwd, rec)
+
+
 def test_eager_experts_loop_is_refused_with_what_to_change():
     model = family_model("mixtral")
     model.set_experts_implementation("eager")

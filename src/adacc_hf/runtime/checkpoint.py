@@ -244,7 +244,7 @@ class _KeepMode(_FastMode):
             kept = {s.key for s in table.slots if s.action is not None}
             run.drop(lambda e: e.slot.key in kept)  # misaligned regions keep nothing
             for problem in table.problems:
-                rt.warn("region:" + problem, problem + "; its ops are recomputed")
+                rt.warn("region:" + problem, problem)
             rt.unknown |= table.unknown
             run.built = table
         elif not run.broken and self.pos != len(self.slots):

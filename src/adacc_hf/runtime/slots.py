@@ -13,6 +13,13 @@ Building aligns what the forward ran with the policy's op list region by region 
 submodule of the block). A region whose ops differ from the policy's in number, key or signature
 (op overload, output dtype, shape class) gets no actions at all, with a warning: a policy traced
 on a block with one op more or fewer never acts on an op that merely took another's key.
+
+A router region (`ALWAYS_RETAIN` layer types) the policy retains but that does not align is the
+one region that cannot simply be recomputed: backward's recompute would run the router on inputs
+the block's lossy codecs altered and could route tokens to other experts than forward did (a
+forward hook on the router that runs an op is enough to misalign it). Such a block keeps nothing
+lossy: its retained and bit-packed outputs are exact, so the recomputed router sees forward's
+inputs bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 import torch
 
 from ..codecs import Codec
-from ..schema import Action, OpSpec
+from ..schema import ALWAYS_RETAIN, RECOMPUTE, Action, OpSpec
 from .ops import NATIVE_DROPOUT, is_random, region_of, shape_class
 
 # How a slot keeps an op's output.
@@ -129,7 +136,9 @@ def build_table(
     specs: list[OpSpec], seen: list[Observed], actions: dict[str, Action], codec: Any
 ) -> SlotTable:
     """The table for the op sequence ``seen``: policy actions for the ops of every region that
-    matches the policy exactly, nothing for the others (listed in ``problems``)."""
+    matches the policy exactly, nothing for the others (listed in ``problems``). When a router
+    region the policy retains ran but does not match, no slot of the block keeps a lossy
+    encoding (see the module docstring)."""
     by_key = {s.key: s for s in specs}
     bad = misaligned_regions(specs, seen)
     slots, unknown = [], set()
@@ -140,8 +149,39 @@ def build_table(
             unknown.add(o.key)
             continue
         slots.append(make_slot(o.func, o.key, spec, actions.get(o.key), codec))
-    problems = [f"region {r or '(block)'!r}: {why}" for r, why in sorted(bad.items())]
+    problems = [
+        f"region {r or '(block)'!r}: {why}; its ops are recomputed"
+        for r, why in sorted(bad.items())
+    ]
+    lost = _unretained_routers(specs, seen, actions, bad)
+    if lost:
+        lossy = [s for s in slots if s.codec is not None and not s.codec.lossless]
+        for s in lossy:
+            s.action, s.store, s.codec = None, RAW, None
+        problems.append(
+            f"router region(s) {', '.join(map(repr, lost))} cannot be retained as the policy "
+            f"says: the block's {len(lossy)} lossy op(s) are recomputed instead, so that "
+            "backward's recompute routes tokens as forward did"
+        )
     return SlotTable(slots, problems, unknown)
+
+
+def _unretained_routers(
+    specs: list[OpSpec], seen: list[Observed], actions: dict[str, Action], bad: dict[str, str]
+) -> list[str]:
+    """Misaligned regions that ran and hold a router op the policy retains."""
+    ran = {region_of(o.key) for o in seen}
+    return sorted(
+        {
+            region_of(s.key)
+            for s in specs
+            if s.layer_type in ALWAYS_RETAIN
+            and s.cacheable
+            and actions.get(s.key, RECOMPUTE).kind != "recompute"
+            and region_of(s.key) in bad
+            and region_of(s.key) in ran
+        }
+    )
 
 
 def _sig(v: Any) -> Any:
