@@ -22,11 +22,12 @@ from benchmarks.harness.sweep import budget_sweep
 LAYERS = {"t5": {"num_layers": 4, "num_decoder_layers": 4}, "gpt2": {"n_layer": 4}}
 DYNAMIC = [16, 64, 32, 128, 48]  # 8x from the first (shortest) to the longest
 FIXED = [64, 64]
-# One case per family in the default run (both dtypes, both shape modes); the rest is `slow`.
+# Three families in the default run (both dtypes, both shape modes); the rest (T5: minutes) is
+# `slow`.
 DEFAULT = {
     ("llama", "bf16", "dynamic"),
     ("gpt2", "fp32", "dynamic"),
-    ("t5", "bf16", "fixed"),
+    ("llama", "fp32", "fixed"),
     ("bert", "fp32", "fixed"),
 }
 CASES = [
@@ -54,8 +55,8 @@ def test_step_peak_stays_within_budget_and_near_the_prediction(family, dtype, sh
     for r in rows:
         assert r.measured_nbytes <= r.budget_nbytes, r
         assert r.unknown_ops == 0, r
-        if r.at_edge:
-            assert abs(r.error) <= 0.05, r
+        if r.at_edge:  # measured within 2 % above or 10 % below the prediction
+            assert -0.10 <= r.error <= 0.02, r
     per_budget: dict[int, float] = {}
     for r in rows:
         if r.shape == list(batches[-1]["input_ids"].shape):

@@ -102,8 +102,10 @@ def test_plain_trainer_trains_under_a_budget_with_a_mixed_policy(tmp_path, famil
     assert peak <= budget, (peak, budget)
     assert abs(peak - pred["peak_nbytes"]) <= 0.05 * pred["peak_nbytes"], (peak, pred)
     # The checkpoint and the output dir hold the policy; the model is unpatched after training.
-    for d in (tmp_path / "out" / "checkpoint-3", tmp_path / "out"):
-        assert Policy.load(str(d / POLICY_FILE)) == policy
+    # (the rectifier may have switched after step 3: the checkpoint holds a policy of this model)
+    saved = Policy.load(str(tmp_path / "out" / "checkpoint-3" / POLICY_FILE))
+    assert saved.groups.keys() == policy.groups.keys()
+    assert Policy.load(str(tmp_path / "out" / POLICY_FILE)) == policy
     assert not any("_gradient_checkpointing_func" in vars(m) for m in model.modules())
 
 

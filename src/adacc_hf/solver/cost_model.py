@@ -26,7 +26,14 @@ from ..errors import PolicyError
 from ..policy import Policy
 from ..schema import ALWAYS_RETAIN, Action, GroupProfile, OpProfile, Profile, variant_key
 from .static import StaticMemory
-from .step import BlockLoad, StepEstimate, extreme_peaks, in_forward_order, step_peak
+from .step import (
+    BlockLoad,
+    StepEstimate,
+    extreme_peaks,
+    held_in_order,
+    in_forward_order,
+    step_peak,
+)
 
 
 @dataclass
@@ -274,16 +281,15 @@ def predict(
     step), or a number of bytes resident all step long.
     """
     loads, added_ms, unprofiled = block_loads(profile, policy)
-    est: StepEstimate = step_peak(
-        profile, in_forward_order(profile, loads), static_nbytes, accumulation
-    )
+    ordered = in_forward_order(profile, loads)
+    est: StepEstimate = step_peak(profile, ordered, static_nbytes, accumulation)
     checkpointed = [g for g, bl in loads.items() if any(b.checkpoint for b in bl)]
     transient = max(
         [head_transient(profile), *(profile.groups[g].transient_nbytes for g in checkpointed)]
     )
     static = static_nbytes.total if isinstance(static_nbytes, StaticMemory) else int(static_nbytes)
     return Prediction(
-        held_nbytes=profile.nonblock_nbytes + sum(b.held for bl in loads.values() for b in bl),
+        held_nbytes=profile.nonblock_nbytes + sum(held_in_order(profile, ordered)),
         per_block={g: [b.held for b in bl] for g, bl in loads.items()},
         added_ms=added_ms,
         transient_nbytes=transient,

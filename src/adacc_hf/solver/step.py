@@ -139,6 +139,14 @@ def _plain_held(blocks: list[BlockLoad], groups: list[GroupProfile], j: int) -> 
     return blocks[j].held
 
 
+def held_in_order(profile: Profile, blocks: list[BlockLoad]) -> list[int]:
+    """What each block (in forward order) holds for backward, a plain block's by its neighbour."""
+    groups = _groups_in_order(profile)
+    return [
+        b.held if b.checkpoint else _plain_held(blocks, groups, j) for j, b in enumerate(blocks)
+    ]
+
+
 def step_peak(
     profile: Profile,
     blocks: list[BlockLoad],
