@@ -223,6 +223,36 @@ def test_static_memory_counts_whole_parameters_when_sharded_or_flattened():
     assert estimate_static_memory(model, zero_stage=3, world_size=2) == ref
 
 
+def test_live_state_counts_the_local_shards_of_fsdp2_parameters():
+    """FSDP2 parameters and gradients are DTensors, whose own storage cannot be read: the bytes
+    a step starts with are their local shards' (a one-process group: the shard is the whole)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from adacc_hf.runtime.peak import live_state_nbytes
+    from adacc_hf.solver import measured_static_memory
+
+    model = assets.tiny_model("llama")
+    unsharded = live_state_nbytes(model)
+    store = torch.distributed.TCPStore("127.0.0.1", _free_port(), 1, True)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert live_state_nbytes(model) == unsharded
+        opt = torch.optim.AdamW(model.parameters())
+        model(**assets.tiny_batch("llama", model)).loss.backward()
+        opt.step()
+        assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+        buffers = sum(b.nbytes for b in model.buffers())
+        assert live_state_nbytes(model, opt) == measured_static_memory(model, opt) + buffers
+        assert measured_static_memory(model, opt) > 3 * unsharded  # grads and two moments
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------ launched runs
 @launched
 def test_leader_failure_stops_every_rank_instead_of_hanging(tmp_path):
@@ -276,9 +306,11 @@ def test_policy_switch_happens_on_every_rank_at_the_same_step(tmp_path):
     assert r0["switches"] == r1["switches"]  # same steps, same policies
     assert r0["tracking_steps"] == r1["tracking_steps"]
     assert r0["final_fingerprint"] == r1["final_fingerprint"]
-    # The control: deciding alone, rank 1 (no outliers in its weights) never switches.
+    # The control: deciding alone, rank 1 (no outliers in its weights) never switches (the ranks
+    # share rank 0's profile, so only codec statistics could move it).
     u0, u1 = _reports(tmp_path, "unsynced")
     assert u0["switches"] and u0["switches"] != u1["switches"]
+    assert not u1["switches"], u1["switches"]
 
 
 @launched

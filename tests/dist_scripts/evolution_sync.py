@@ -5,26 +5,38 @@
 Each rank trains on its own rows. After step `--shift-at`, outlier channels appear in rank 0's
 projection weights only, so only rank 0's activations make naive INT4 too lossy and only rank 0's
 statistics call for a switch. Codec times and the runtime's dispatch overhead in the profile are
-zeroed so the first policy compresses whatever the CPU's timings. Phases: `synced` (the default wiring: samples merged over ranks,
-rank 0 decides and broadcasts) and `unsynced` (each rank decides alone after the shared first
-policy: the control that shows the ranks would otherwise disagree). Each rank writes
+zeroed so the first policy compresses whatever the CPU's timings; every rank's session plans the
+batch's bucket from rank 0's profile (`profiles=`). The budget bounds the whole step's peak, so
+the batch is long enough (2 x 128 tokens) for activations, not gradients or the optimizer step, to
+set it: a budget 40 % of the way from full recomputation's peak to no checkpointing's then needs
+memory saved in the blocks. Phases: `synced` (the default wiring: samples merged over ranks, rank 0
+decides and broadcasts) and `unsynced` (each rank decides alone after the shared first policy: the
+control that shows the ranks would otherwise disagree). Each rank writes
 `{phase}_rank{r}.json` with every switch as (step, fingerprint) and the tracking steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 
 import torch
 from accelerate import Accelerator
-from common import kinds, mixed_budget, write
+from common import kinds, write
 
-from adacc_hf import assets, profile_model
+from adacc_hf import assets, estimate_static_memory, profile_model
 from adacc_hf.integrations.coordinator import Coordinator
 from adacc_hf.integrations.session import AdaccConfig, AdaccSession
+from adacc_hf.integrations.shapes import shape_key
+from adacc_hf.schema import Profile
+from adacc_hf.solver import budget_between
 
 CODEC = "int4_naive"
+SEQ_LEN = 128  # a bucket edge: the session plans this very shape
+# Rank 0's profile, on every rank and in both phases: a rank deciding alone re-solves it with its
+# own codec statistics only, not with its own timings (which alone could make it switch).
+_profiles: list[Profile] = []
 
 
 def run(accel: Accelerator, phase: str, args: argparse.Namespace) -> None:
@@ -38,18 +50,29 @@ def run(accel: Accelerator, phase: str, args: argparse.Namespace) -> None:
         num_key_value_heads=2,
         attention_dropout=0.0,
     )
-    batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=32, seed=100 + r)
-    budget = mixed_budget(model, batch, 0.4, optimizer="sgd")
-    profile = profile_model(model, batch, codecs=[CODEC], repeats=1)
-    for g in profile.groups.values():
-        g.dispatch_ms = 0.0  # keeping ops must pay whatever the CPU's timings (see above)
-        for op in g.ops:
-            for c in op.codecs.values():
-                c.encode_ms = c.decode_ms = 0.0
+    batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=SEQ_LEN, seed=100 + r)
+    if not _profiles:
+        profile = None
+        if r == 0:
+            profile = profile_model(model, batch, codecs=[CODEC], repeats=1)
+            for g in profile.groups.values():
+                g.dispatch_ms = 0.0  # keeping ops must pay whatever the CPU's timings (see above)
+                for op in g.ops:
+                    for c in op.codecs.values():
+                        c.encode_ms = c.decode_ms = 0.0
+        shared = [profile]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        _profiles.append(shared[0])
+    profile = copy.deepcopy(_profiles[0])
+    static = estimate_static_memory(model, optimizer="sgd")
+    budget = budget_between(profile, static, 0.4)
     cfg = AdaccConfig(
         budget=budget, codecs=[CODEC], adaptive=True, optimizer="sgd", max_codec_error=0.3
     )
-    session = AdaccSession(model, cfg, profile=profile)  # coordinated across the ranks
+    key = shape_key(batch, encoder_decoder=False)
+    assert key[1] == SEQ_LEN, key  # else the session would profile a padded batch itself
+    # coordinated across the ranks; plans the batch's bucket from this profile
+    session = AdaccSession(model, cfg, profiles={key: profile})
     session.setup(batch)  # every rank runs rank 0's first policy
     first = session.policy
     if phase == "unsynced":

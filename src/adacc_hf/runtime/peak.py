@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _MARK = "adacc_mark::"
 
@@ -162,6 +163,18 @@ class AllocationTracker:
         return name in self._marks or name in self._mark_times
 
 
+def plain_tensors(t: Any) -> list[torch.Tensor]:
+    """The plain tensors holding `t`'s data: `t` itself, or the inner tensors of a wrapper
+    subclass (an FSDP2 DTensor parameter or gradient holds its local shard), recursively. A
+    wrapper's own storage is a placeholder whose data pointer cannot be read."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [x for name in names for x in plain_tensors(getattr(t, name))]
+
+
 def live_state_nbytes(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -174,13 +187,12 @@ def live_state_nbytes(
 
     def add(t: Any) -> None:
         nonlocal total
-        if not isinstance(t, torch.Tensor):
-            return
-        s = t.untyped_storage()
-        key = (str(t.device), s.data_ptr())
-        if s.nbytes() and key not in seen:
-            seen.add(key)
-            total += s.nbytes()
+        for x in plain_tensors(t):
+            s = x.untyped_storage()
+            key = (str(x.device), s.data_ptr())
+            if s.nbytes() and key not in seen:
+                seen.add(key)
+                total += s.nbytes()
 
     for p in model.parameters():
         add(p)

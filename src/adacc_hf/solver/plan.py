@@ -143,6 +143,7 @@ def _search(groups, budget, caps, split_blocks, backend, realise):
     lo = hi = floor = None  # cap shifts known to fit / to overshoot / to be infeasible (too tight)
     best = None
     shift = 0
+    misses = 0  # overshooting candidates before the first fit: each step down doubles
     for _ in range(CAP_STEPS):
         ks, counts, status, _reason = run(groups, caps.shifted(shift), split_blocks, backend)
         room = 0
@@ -162,6 +163,7 @@ def _search(groups, budget, caps, split_blocks, backend, realise):
                     break
             else:
                 hi = shift if hi is None else min(hi, shift)
+                misses += 1
         below = max((x for x in (lo, floor) if x is not None), default=None)
         if below is not None and hi is not None:
             if hi - below <= CAP_TOLERANCE * budget:
@@ -170,7 +172,9 @@ def _search(groups, budget, caps, split_blocks, backend, realise):
         elif below is not None:
             shift += max(room, 1) if status != "fallback" else max(budget // 16, 1)
         else:
-            shift -= max(-room, 1)
+            # Tightening the caps by the overshoot can overshoot again by about as much (the step
+            # peak moves with where the solver puts what it keeps): double the step each time.
+            shift -= max(-room, 1) << min(misses - 1, 20)
     return best
 
 

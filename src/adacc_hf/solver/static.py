@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..errors import BudgetError
+from ..runtime.peak import plain_tensors
 from .budget import fmt_bytes
 
 BNB_BLOCK = 256  # bitsandbytes blockwise quantisation block (elements per fp32 absmax)
@@ -292,14 +293,12 @@ def measured_static_memory(model: nn.Module, optimizer_obj: Any) -> int:
 
     def add(t: Any) -> None:
         nonlocal total
-        if not isinstance(t, torch.Tensor):
-            return
-        s = t.untyped_storage()
-        key = (str(t.device), s.data_ptr())
-        if s.nbytes() == 0 or key in seen:
-            return
-        seen.add(key)
-        total += s.nbytes()
+        for x in plain_tensors(t):  # an FSDP2 DTensor: its local shard
+            s = x.untyped_storage()
+            key = (str(x.device), s.data_ptr())
+            if s.nbytes() and key not in seen:
+                seen.add(key)
+                total += s.nbytes()
 
     for p in model.parameters():
         add(p)
