@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..adapters import unwrap_model
-from ..errors import BudgetError
+from ..errors import AdaccError, BudgetError
 from ..evolution import OutlierTracker, TrackingSchedule
 from ..policy import Policy
 from ..policy.display import describe, metrics
@@ -81,6 +81,11 @@ class AdaccSession:
         coordinator: Coordinator | None = None,
         profiles: dict[ShapeKey, Profile] | None = None,
     ) -> None:
+        if profile is not None and policy is None:
+            raise AdaccError(
+                "AdaccSession(profile=...) goes with the policy solved on it (a resumed run); to "
+                "reuse a profile for planning, pass profiles={shape_key(batch): profile}"
+            )
         self.model = unwrap_model(model)
         # Profiles by bucket, shared by sessions of the same model (a benchmark's budgets).
         self.profiles = profiles if profiles is not None else {}

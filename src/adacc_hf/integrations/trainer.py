@@ -152,7 +152,9 @@ class AdaccCallback(TrainerCallback):
             longest = longest_sequence(args, collate, getattr(loader, "dataset", None))
             if longest is not None:
                 config = dataclasses.replace(config, max_seq_len=longest)
-        self.session = AdaccSession(model, config, policy=policy, profile=profile)
+        self.session = AdaccSession(
+            model, config, policy=policy, profile=profile if policy else None
+        )
         if sched:
             self.session.restore_schedule(sched)
         self.session.attach()
