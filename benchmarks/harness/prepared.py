@@ -16,7 +16,7 @@ from before. The kinds:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -28,8 +28,15 @@ from adacc_hf.schema import ActionKind
 from .adacc import Profiles, profile_for, solved_session
 from .patching import check_unchanged, hf_disable, hf_enable, patch_state, restore, snapshot
 
-if TYPE_CHECKING:
-    from .strategies import Strategy
+
+class Strategy(Protocol):
+    """What a prepared strategy reads of its `strategies.Strategy` (kept structural: the registry
+    imports this module)."""
+
+    name: str
+    label: str
+    budgeted: bool
+
 
 Batch = Mapping[str, Any]
 
