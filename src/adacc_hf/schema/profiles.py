@@ -1,0 +1,190 @@
+"""What the profiler measures and the solver reads: codec, op, group and model profiles, and the
+full-recomputation step timeline (no torch import)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from ..errors import PolicyError
+from .ops import PROFILE_FORMAT, OpSpec
+
+
+# ----------------------------------------------------------------------------------- profiles
+@dataclass
+class CodecProfile:
+    """One codec measured on one op's real output."""
+
+    codec: str
+    params: dict[str, Any]
+    nbytes: int  # encoded bytes (exact, on the profiled activation)
+    encode_ms: float
+    decode_ms: float
+    rel_error: float  # error on what backward reads (see codecs.relative_error)
+    n_outliers: int = 0
+    encode_workspace_nbytes: int = 0  # peak temporaries of one encode, beyond the payload
+    decode_workspace_nbytes: int = 0  # peak temporaries of one decode, beyond its output
+
+    @property
+    def ms(self) -> float:
+        return self.encode_ms + self.decode_ms
+
+
+@dataclass(frozen=True)
+class OpProfile(OpSpec):
+    """One op of a block with its measured costs."""
+
+    fwd_ms: float = 0.0  # time to (re)compute it
+    block_output: bool = False  # an output of this op is the block's output
+    codecs: dict[str, CodecProfile] = field(default_factory=dict)
+    shared_nbytes: int = 0  # bytes of its outputs held anyway (by the next block, as its input)
+
+    @property
+    def retain_nbytes(self) -> int:
+        return self.nbytes - self.shared_nbytes
+
+    def spec(self) -> OpSpec:
+        """The op as a policy names it (no measurements)."""
+        return OpSpec(**{f.name: getattr(self, f.name) for f in fields(OpSpec)})
+
+    @classmethod
+    def from_spec(cls, spec: OpSpec, **measured: Any) -> OpProfile:
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(OpSpec)}, **measured)
+
+
+@dataclass
+class GroupProfile:
+    """A block group: its ops and what a block costs as a whole (bytes per block)."""
+
+    name: str
+    num_blocks: int
+    input_nbytes: int  # held by a checkpointed block whatever the policy (measured)
+    full_nbytes: int  # held by a block with no checkpointing (measured)
+    fixed_ms: float  # recompute time of ops that always rerun in a checkpointed block
+    transient_nbytes: int  # peak of a checkpointed block's backward above the level at its start
+    block_fwd_ms: float  # one block's forward, no checkpointing
+    ops: list[OpProfile] = field(default_factory=list)
+    plain_transient_nbytes: int = 0  # the same for a block without checkpointing
+    output_nbytes: int = 0  # a block's output (the gradient its backward starts from)
+    grad_nbytes: int = 0  # gradients of one block's trainable parameters (unsharded)
+    positions: list[int] = field(default_factory=list)  # each block's index in forward order
+    forward_transient_nbytes: int = 0  # peak of a checkpointed block's forward above its start
+    plain_forward_transient_nbytes: int = 0  # the same for a block without checkpointing
+    full_interior_nbytes: int = 0  # held by a plain block followed by a plain one (0: unknown)
+    # runtime overhead of a checkpointed block that caches any op: every aten op of its forward
+    # and recompute crossing the runtime's dispatch modes (measured; 0 in older profiles)
+    dispatch_ms: float = 0.0
+
+
+@dataclass
+class Timeline:
+    """One training step measured under full recomputation at the profiled shape: bytes above the
+    level when the step starts (activations, gradients, temporaries; parameters, buffers and
+    optimizer states excluded), at the moments where memory can peak. Lists are per block in
+    forward order."""
+
+    held: list[int]  # what each block's forward leaves held for backward
+    forward_start: list[int]  # when block j's forward starts
+    forward_peak: list[int]  # the highest during block j's forward
+    backward_start: list[int]  # when block j's backward starts (its output's gradient arrived)
+    backward_peak: list[int]  # the highest during block j's backward (its recompute included)
+    loss_peak: int = 0  # the highest after the last block's forward (final norm, head, loss)
+    head_peak: int = 0  # the highest from backward's start to the last block's backward
+    tail_peak: int = 0  # the highest after the first block's backward (embeddings)
+    grads: list[int] = field(default_factory=list)  # gradient bytes alive at backward_start
+
+
+@dataclass
+class Profile:
+    """Everything the solver needs, measured on one device, dtype and micro-batch shape.
+
+    The step's memory outside the blocks: ``nonblock_nbytes`` held for backward (of it,
+    ``nonblock_before_nbytes`` created before the first block: embeddings, masks; the rest after:
+    final norm, logits, loss), the forward's own temporaries above what it leaves held, and the
+    backward's transients: from the loss to the last block (``head``: logits gradient, head weight
+    gradient) and after the first block (``tail``: embedding gradients, tied weights).
+    """
+
+    model_type: str
+    adapter: str
+    adapter_version: int
+    device: str
+    dtype: str
+    batch_shape: dict[str, list[int]]
+    groups: dict[str, GroupProfile]
+    nonblock_nbytes: int
+    head_transient_nbytes: int = 0
+    profile_ms: float = 0.0  # wall time spent profiling
+    autocast: str | None = None  # the autocast dtype the profile ran under (None: off)
+    nonblock_before_nbytes: int = 0
+    forward_transient_nbytes: int = 0
+    tail_transient_nbytes: int = 0
+    nonblock_grad_nbytes: int = 0  # gradients of trainable parameters outside the blocks
+    batch_nbytes: int = 0  # the micro-batch's own tensors (on the device all step long)
+    timeline: Timeline | None = None  # measured; None: synthesised from the fields above
+    # Measured per action table: "group:variant fingerprint" -> [forward, backward] transient
+    # minus full recomputation's, on the profiled block ("group:full": full recomputation's own).
+    variant_transients: dict[str, list[int]] = field(default_factory=dict)
+    library_version: str = ""
+    format_version: int = PROFILE_FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        d = json.loads(text)
+        version = d.get("format_version", 1)
+        if not isinstance(version, int) or version > PROFILE_FORMAT:
+            raise PolicyError(
+                f"profile format {version!r} was written by a newer adacc-hf: upgrade it, or "
+                "profile again"
+            )
+        known_profile = {f.name for f in fields(cls)}
+        known_group = {f.name for f in fields(GroupProfile)}
+        known_op = {f.name for f in fields(OpProfile)}
+        groups = {}
+        for name, g in d.pop("groups").items():
+            ops = []
+            for o in g.pop("ops"):
+                codecs = {k: CodecProfile(**c) for k, c in o.pop("codecs").items()}
+                o = {k: v for k, v in o.items() if k in known_op}
+                ops.append(OpProfile(**{**o, "shape": tuple(o["shape"])}, codecs=codecs))
+            g = {k: v for k, v in g.items() if k in known_group}
+            groups[name] = GroupProfile(**g, ops=ops)
+        if "nonblock_transient_nbytes" in d:  # format 1
+            d.setdefault("head_transient_nbytes", d.pop("nonblock_transient_nbytes"))
+        d = {k: v for k, v in d.items() if k in known_profile}
+        if isinstance(d.get("timeline"), dict):
+            d["timeline"] = Timeline(**d["timeline"])
+        return cls(**d, groups=groups)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.num_blocks for g in self.groups.values())
+
+    def no_checkpoint_nbytes(self) -> int:
+        """Activation bytes held with no checkpointing anywhere."""
+        return self.nonblock_nbytes + sum(
+            g.num_blocks * g.full_nbytes for g in self.groups.values()
+        )
+
+    @property
+    def nonblock_after_nbytes(self) -> int:
+        return self.nonblock_nbytes - self.nonblock_before_nbytes
+
+    def block_order(self) -> list[tuple[str, int]]:
+        """(group, index within the group) of every block, in forward order."""
+        order = []
+        for name, g in self.groups.items():
+            positions = g.positions or [None] * g.num_blocks
+            for i, pos in enumerate(positions):
+                order.append((pos if pos is not None else len(order), name, i))
+        return [(name, i) for _, name, i in sorted(order)]
+
+    def full_recompute_nbytes(self) -> int:
+        """Activation bytes held under full recomputation."""
+        return self.nonblock_nbytes + sum(
+            g.num_blocks * g.input_nbytes for g in self.groups.values()
+        )
