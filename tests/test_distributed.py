@@ -434,6 +434,7 @@ def zero_baselines(deepspeed_ready, tmp_path_factory):
 
 @launched
 @pytest.mark.deepspeed
+@pytest.mark.slow  # ~1-2 min each: `make test-dist` / `make test-all` run them
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_deepspeed_trainer_with_adacc_matches_the_same_zero_run_without_it(
     stage, zero_baselines, tmp_path
@@ -466,6 +467,7 @@ def test_deepspeed_trainer_with_adacc_matches_the_same_zero_run_without_it(
 
 @launched
 @pytest.mark.deepspeed
+@pytest.mark.slow
 def test_deepspeed_zero3_offload_recipe_with_adacc(zero_baselines, tmp_path):
     off = zero_baselines("zero3")[0]["losses"]
     budget = str(_budget(zero_stage=3))
