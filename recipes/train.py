@@ -179,10 +179,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, sort_keys=True)
     if trainer.is_world_process_zero():
-        losses = report["losses"]
+        losses = report["losses"]  # empty when logging_steps exceeds the run
+        loss = f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "not logged (--logging_steps)"
         print(
             f"adacc-recipe: {report['distributed_type']} x{report['world_size']}: loss "
-            f"{losses[0]:.4f} -> {losses[-1]:.4f} in {report['train_seconds']:.1f} s; policy "
+            f"{loss} in {report['train_seconds']:.1f} s; policy "
             f"{report.get('policy_fingerprint', '-')}",
             flush=True,
         )
