@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +175,28 @@ def plain_tensors(t: Any) -> list[torch.Tensor]:
     return [x for name in names for x in plain_tensors(getattr(t, name))]
 
 
+def storage_nbytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the storages holding `tensors` (non-tensors skipped; a wrapper such as an FSDP2
+    DTensor counted by its local shards), each storage once: tied weights, views and shared
+    quantisation maps count once."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in tensors:
+        for x in plain_tensors(t):
+            s = x.untyped_storage()
+            key = (str(x.device), s.data_ptr())
+            if s.nbytes() and key not in seen:
+                seen.add(key)
+                total += s.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer: Any) -> Iterator[Any]:
+    """Every value of ``optimizer.state`` (tensors and scalars alike)."""
+    for state in optimizer.state.values():
+        yield from state.values() if isinstance(state, dict) else [state]
+
+
 def live_state_nbytes(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -182,30 +204,16 @@ def live_state_nbytes(
 ) -> int:
     """Bytes of the storages a training step starts with: parameters, buffers, gradients,
     optimizer state and `tensors` (the batch), each storage once."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-
-    def add(t: Any) -> None:
-        nonlocal total
-        for x in plain_tensors(t):
-            s = x.untyped_storage()
-            key = (str(x.device), s.data_ptr())
-            if s.nbytes() and key not in seen:
-                seen.add(key)
-                total += s.nbytes()
-
-    for p in model.parameters():
-        add(p)
-        add(p.grad)
-    for b in model.buffers():
-        add(b)
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for v in state.values() if isinstance(state, dict) else [state]:
-                add(v)
-    for t in tensors:
-        add(t)
-    return total
+    params = list(model.parameters())
+    return storage_nbytes(
+        [
+            *params,
+            *(p.grad for p in params),
+            *model.buffers(),
+            *(optimizer_tensors(optimizer) if optimizer is not None else ()),
+            *tensors,
+        ]
+    )
 
 
 def loss_of(out: Any) -> torch.Tensor:

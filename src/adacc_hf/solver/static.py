@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..errors import BudgetError
-from ..runtime.peak import plain_tensors
+from ..runtime.peak import optimizer_tensors, storage_nbytes
 from .budget import fmt_bytes
 
 BNB_BLOCK = 256  # bitsandbytes blockwise quantisation block (elements per fp32 absmax)
@@ -288,23 +288,5 @@ def measured_static_memory(model: nn.Module, optimizer_obj: Any) -> int:
 
     Each storage counts once (tied weights, shared quantisation maps, views).
     """
-    seen: set[tuple[str, int]] = set()
-    total = 0
-
-    def add(t: Any) -> None:
-        nonlocal total
-        for x in plain_tensors(t):  # an FSDP2 DTensor: its local shard
-            s = x.untyped_storage()
-            key = (str(x.device), s.data_ptr())
-            if s.nbytes() and key not in seen:
-                seen.add(key)
-                total += s.nbytes()
-
-    for p in model.parameters():
-        add(p)
-        add(p.grad)
-    for state in optimizer_obj.state.values():
-        values = state.values() if isinstance(state, dict) else [state]
-        for v in values:
-            add(v)
-    return total
+    params = list(model.parameters())
+    return storage_nbytes([*params, *(p.grad for p in params), *optimizer_tensors(optimizer_obj)])
