@@ -37,12 +37,12 @@ from .schema import Action, OpSpec, Profile
 
 _LAZY = {
     # The Trainer integration pulls in transformers.Trainer: import on first use only.
-    "AdaccTrainingArguments": "integrations.trainer",
+    "AdaccTrainingArguments": "integrations.arguments",
     "AdaccTrainer": "integrations.trainer",
-    "AdaccCallback": "integrations.trainer",
+    "AdaccCallback": "integrations.callback",
     "AdaccSession": "integrations.session",
     "AdaccConfig": "integrations.config",
-    "prepare": "integrations.session",
+    "prepare": "integrations.prepare",
     "profile_model": "profiler",
     "solve": "solver",
     "solve_policy": "solver",

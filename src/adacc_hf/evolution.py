@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from .codecs import Codec, get_codec, relative_error
+from .policy import Policy
 from .runtime.ops import cache_target
 from .schema import Profile
+from .solver import StaticMemory, predict
 
 
 @dataclass
@@ -150,3 +152,38 @@ class OutlierTracker:
                 )
             cp.nbytes, cp.rel_error, cp.n_outliers = nbytes, err, outl
         return new, changes
+
+
+def should_switch(
+    profile: Profile,
+    current: Policy,
+    new: Policy,
+    static: StaticMemory,
+    *,
+    budget_nbytes: int,
+    max_rel_error: float,
+    accumulation: int = 1,
+) -> bool:
+    """Switch from `current` to `new` when `current` no longer fits the budget or uses a codec whose
+    measured error on `profile` is now above the limit, or when `new` is clearly (> 2 %) faster."""
+    if new.fingerprint() == current.fingerprint():
+        return False
+    cur = predict(profile, current, static, accumulation)
+    if cur.peak_nbytes > budget_nbytes:
+        return True
+    errors = {
+        (g.name, o.key, c.codec): c.rel_error
+        for g in profile.groups.values()
+        for o in g.ops
+        for c in o.codecs.values()
+    }
+    for gname, gp in current.groups.items():
+        for v in gp.variants:
+            for key, a in v.actions.items():
+                if (
+                    a.kind == "compress"
+                    and not errors.get((gname, key, a.codec), 0.0) <= max_rel_error
+                ):
+                    return True
+    best = predict(profile, new, static, accumulation)
+    return best.added_ms < 0.98 * cur.added_ms

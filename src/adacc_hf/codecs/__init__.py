@@ -18,12 +18,14 @@ from .base import (
     available_codecs,
     get_codec,
     has_sentinels,
-    pack_int4,
     payload_finite,
     relative_error,
-    unpack_int4,
 )
 from .dispatch import KernelError, kernel_mode, kernel_mode_override, set_kernel_mode
+from .int4 import (
+    pack_int4,
+    unpack_int4,
+)
 
 __all__ = [
     "Codec",

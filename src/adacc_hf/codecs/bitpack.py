@@ -6,7 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import FLOAT_DTYPES, Codec, Encoded, register
+from .base import (
+    FLOAT_DTYPES,
+    Codec,
+    Encoded,
+    register,
+)
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 

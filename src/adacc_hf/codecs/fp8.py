@@ -15,11 +15,13 @@ import torch
 from .base import (
     Codec,
     Encoded,
+    register,
+)
+from .int4 import (
     as_rows_f32,
     finite_absmax,
     flagged_scale,
     nonfinite_any,
-    register,
     rows_channels,
 )
 

@@ -10,6 +10,9 @@ import torch
 from .base import (
     Codec,
     Encoded,
+    register,
+)
+from .int4 import (
     as_rows_f32,
     flagged_scale,
     int4_nbytes,
@@ -17,7 +20,6 @@ from .base import (
     nonfinite_any,
     pack_int4,
     quantize_sym,
-    register,
     rows_channels,
     unpack_nibbles,
 )

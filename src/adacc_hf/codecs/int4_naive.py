@@ -10,12 +10,14 @@ import torch
 from .base import (
     Codec,
     Encoded,
-    as_rows_f32,
     check_int_param,
+    register,
+)
+from .int4 import (
+    as_rows_f32,
     dequantize_groups,
     groups_nbytes,
     quantize_groups,
-    register,
     rows_channels,
 )
 

@@ -13,12 +13,14 @@ from .base import (
     Codec,
     CodecError,
     Encoded,
-    as_rows_f32,
     check_int_param,
+    register,
+)
+from .int4 import (
+    as_rows_f32,
     dequantize_groups,
     groups_nbytes,
     quantize_groups,
-    register,
     rows_channels,
 )
 

@@ -11,8 +11,8 @@ user applies to every shape as it is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 
 from ..adapters import unwrap_model
 from ..errors import AdaccError, BudgetError
-from ..evolution import OutlierTracker, TrackingSchedule
+from ..evolution import OutlierTracker, TrackingSchedule, should_switch
 from ..policy import Policy
 from ..policy.display import describe, metrics
 from ..profiler import BlockProbe, measure_variants, profile_model
@@ -34,38 +34,16 @@ from ..solver import (
     least_memory_policy,
     parse_budget,
     planned_budget,
-    predict,
     solve_policy,
 )
 from .config import AdaccConfig, detect_autocast
 from .coordinator import Coordinator, coordinator_for_process
-from .shapes import ShapeKey, padded, shape_key
-from .sharding import sharding_from_model
+from .plans import AdaccEvent, Plan
+from .shapes import ShapeKey, key_text, key_tokens, padded, shape_key
 
 logger = logging.getLogger("adacc_hf")
 
-__all__ = ["AdaccConfig", "AdaccEvent", "AdaccSession", "Plan", "prepare"]
-
-
-@dataclass
-class AdaccEvent:
-    """Something worth logging: a new plan, a switch, or a tracking step."""
-
-    step: int
-    kind: str  # "policy" | "switch" | "track"
-    policy: Policy | None = None
-    message: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class Plan:
-    """The policy of one bucket of batch shapes (``key`` None: every shape), and its profile."""
-
-    key: ShapeKey | None
-    policy: Policy
-    profile: Profile | None = None
-    stale: bool = False  # codec statistics moved since it was solved: re-solve before next use
+__all__ = ["AdaccConfig", "AdaccEvent", "AdaccSession", "Plan"]
 
 
 class AdaccSession:
@@ -211,12 +189,12 @@ class AdaccSession:
                     "adacc: a batch of shape %s does not fit the budget under any policy (%s); "
                     "it runs with full recomputation. Set adacc_max_seq_len (or max_length) to the "
                     "run's longest batch so this is caught before training starts.",
-                    _key_text(key),
+                    key_text(key),
                     e,
                 )
         policy.metadata["shape_key"] = list(key)
         plan = self.plans[key] = Plan(key, policy, profile)
-        msg = f"bucket {_key_text(key)}: {describe(policy)}"
+        msg = f"bucket {key_text(key)}: {describe(policy)}"
         self.events.append(AdaccEvent(self.step, "policy", policy, msg, metrics(policy)))
         logger.info("adacc plan for %s:\n%s", msg, policy.table())
         return plan
@@ -250,9 +228,9 @@ class AdaccSession:
         pad = getattr(self.model.config, "pad_token_id", None)
         sample = padded(batch, key, pad if isinstance(pad, int) else None)
         alike = [(k, p) for k, p in self.profiles.items() if k[-1] == key[-1]]  # same masking
-        near = min(alike, key=lambda kv: abs(_tokens(kv[0]) - _tokens(key)), default=(None, None))[
-            1
-        ]
+        near = min(
+            alike, key=lambda kv: abs(key_tokens(kv[0]) - key_tokens(key)), default=(None, None)
+        )[1]
         # On every rank: under ZeRO-3 / FSDP these forwards all-gather parameters. Inside a
         # training forward (the hook), FSDP2's state is left to that step's backward.
         self._planning = True
@@ -383,29 +361,16 @@ class AdaccSession:
         return event
 
     def _should_switch(self, profile: Profile, new: Policy) -> bool:
-        """Switch when the current policy no longer fits the budget or uses a codec whose measured
-        error is now above the limit, or when the new one is clearly (> 2 %) faster."""
-        if new.fingerprint() == self.policy.fingerprint():
-            return False
-        acc = self.config.gradient_accumulation_steps
-        cur = predict(profile, self.policy, self._static(), acc)
-        if cur.peak_nbytes > (self.budget_nbytes or 0):
-            return True
-        errors = {
-            (g.name, o.key, c.codec): c.rel_error
-            for g in profile.groups.values()
-            for o in g.ops
-            for c in o.codecs.values()
-        }
-        for gname, gp in self.policy.groups.items():
-            for v in gp.variants:
-                for key, a in v.actions.items():
-                    if a.kind == "compress":
-                        err = errors.get((gname, key, a.codec), 0.0)
-                        if not err <= self.config.max_codec_error:
-                            return True
-        best = predict(profile, new, self._static(), acc)
-        return best.added_ms < 0.98 * cur.added_ms
+        c = self.config
+        return should_switch(
+            profile,
+            self.policy,
+            new,
+            self._static(),
+            budget_nbytes=self.budget_nbytes or 0,
+            max_rel_error=c.max_codec_error,
+            accumulation=c.gradient_accumulation_steps,
+        )
 
     def step_done(self, step: int) -> AdaccEvent | None:
         """For custom loops: call once after each optimizer step."""
@@ -436,53 +401,3 @@ class AdaccSession:
             "config": asdict(self.config),
             "step": self.step,
         }
-
-
-def _key_text(key: ShapeKey) -> str:
-    text = " x ".join(str(k) for k in key[:-1])
-    return text + (", padded" if key[-1] else "")
-
-
-def _tokens(key: ShapeKey) -> int:
-    return key[0] * sum(key[1:-1])
-
-
-def prepare(
-    model: nn.Module,
-    budget: int | str = "auto",
-    sample_batch: Mapping[str, Any] | None = None,
-    *,
-    policy: Policy | str | None = None,
-    codecs: Iterable[str] | None = None,
-    adaptive: bool = True,
-    **config: Any,
-) -> AdaccSession:
-    """Adacc for custom loops and Accelerate: profile, solve and patch `model`.
-
-    With `sample_batch` this happens now; without, on the model's first training forward. A saved
-    `policy` (object or JSON path) skips profiling. With ``adaptive=True`` (the default, as in the
-    Trainer) call ``session.step_done(step)`` after each optimizer step: the rectifier re-measures
-    the codecs on tracking steps and switches policy when needed; ``adaptive=False`` keeps the
-    first policy. Undo with ``session.close()``.
-
-    In a process group of several ranks, call it on every rank: all profile, rank 0 solves, and
-    every rank runs (and later switches to) rank 0's policy. ZeRO-3 and FSDP2 sharding is read off
-    the model's parameters unless `zero_stage` / `fsdp` / `world_size` are given.
-    """
-    if isinstance(policy, str):
-        policy = Policy.load(policy)
-    if not config.keys() & {"zero_stage", "fsdp", "world_size", "offload_optimizer"}:
-        config = {**sharding_from_model(model), **config}
-    cfg = AdaccConfig(
-        budget=budget,
-        codecs=list(codecs) if codecs is not None else None,
-        adaptive=adaptive,
-        **config,
-    )
-    session = AdaccSession(model, cfg, policy=policy)
-    if sample_batch is not None:
-        session.setup(sample_batch)
-        session.on_step_begin(1)
-    else:
-        session.attach()
-    return session

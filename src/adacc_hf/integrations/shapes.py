@@ -99,3 +99,14 @@ def padded(batch: Mapping[str, Any], key: ShapeKey, pad_token_id: int | None) ->
             v = torch.cat([v, v[-1:].expand(size - v.shape[0], *v.shape[1:])], dim=0)
         out[k] = v
     return out
+
+
+def key_text(key: ShapeKey) -> str:
+    """A bucket as users read it: ``4 x 128, padded``."""
+    text = " x ".join(str(k) for k in key[:-1])
+    return text + (", padded" if key[-1] else "")
+
+
+def key_tokens(key: ShapeKey) -> int:
+    """The tokens of a bucket's batch (batch x the sum of its sequence lengths)."""
+    return key[0] * sum(key[1:-1])

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from ..codecs import Codec, get_codec, has_sentinels, payload_finite, relative_error
-from ..runtime.checkpoint import dispatch_overhead_ms
 from ..runtime.ops import cache_target, storage_id, tensor_outputs
+from ..runtime.overhead import dispatch_overhead_ms
 from ..runtime.peak import AllocationTracker
 from ..runtime.timing import elapsed_ms, sync, time_call, timer_for
 from ..runtime.trace import record_block

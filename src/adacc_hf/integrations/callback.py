@@ -1,0 +1,150 @@
+"""`AdaccCallback`: Adacc inside any `Trainer` (TRL's included), and what it reads off the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..adapters import unwrap_model
+from ..errors import AdaccError
+from ..policy import Policy
+from .card import read_artifacts, write_artifacts
+from .config import AdaccConfig
+from .session import AdaccSession
+from .sharding import sharding_from_trainer
+
+logger = logging.getLogger("adacc_hf")
+
+__all__ = ["AdaccCallback", "longest_sequence", "run_config"]
+
+
+#: Datasets up to this many rows are scanned for their longest ``input_ids`` (cheap: lengths only).
+SCAN_ROWS = 100_000
+
+
+def longest_sequence(args: Any, collator: Any = None, dataset: Any = None) -> int | None:
+    """The run's longest batch length, where the run says it: TRL's ``max_length`` /
+    ``max_seq_length``, a collator padding to ``max_length``, or the longest ``input_ids`` of a
+    (pre-tokenised, not too large) training dataset. None when nothing says it (each new length
+    is then planned when it first comes)."""
+    for name in ("max_length", "max_seq_length"):
+        n = getattr(args, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    n = getattr(collator, "max_length", None)
+    if isinstance(n, int) and n > 0 and getattr(collator, "padding", None) == "max_length":
+        return n
+    try:
+        if dataset is not None and 0 < len(dataset) <= SCAN_ROWS:
+            names = getattr(dataset, "column_names", None)
+            if names is not None and "input_ids" in names:
+                return max(len(r) for r in dataset["input_ids"]) or None
+    except Exception:  # an iterable or unusual dataset: nothing to read
+        return None
+    return None
+
+
+def run_config(config: AdaccConfig, args: TrainingArguments) -> AdaccConfig:
+    """`config` with what the run decides filled in from its arguments: the optimizer, mixed
+    precision, world size and sharding (per-device budgets divide sharded states)."""
+    mp = (
+        "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
+    )
+    fields = {
+        "optimizer": str(getattr(args.optim, "value", args.optim)),
+        "mixed_precision": mp,
+        "gradient_accumulation_steps": max(1, int(getattr(args, "gradient_accumulation_steps", 1))),
+        "world_size": max(1, int(getattr(args, "world_size", 1) or 1)),
+        **sharding_from_trainer(args),
+    }
+    return dataclasses.replace(config, **fields)
+
+
+class AdaccCallback(TrainerCallback):
+    """Applies Adacc inside any `Trainer`: profiles the first training batch, solves, patches the
+    model, runs the rectifier on tracking steps, saves the policy with every checkpoint, restores it
+    on resume and undoes everything when training ends.
+
+    ``AdaccCallback(config)`` or ``AdaccCallback(budget="20GiB", ...)`` (any `AdaccConfig` field);
+    ``policy`` reuses a saved policy (object or ``adacc_policy.json`` path). With neither, the
+    options come from `AdaccTrainingArguments` when the run uses them.
+    """
+
+    def __init__(
+        self,
+        config: AdaccConfig | None = None,
+        *,
+        policy: Policy | str | None = None,
+        **options: Any,
+    ) -> None:
+        if config is not None and options:
+            raise AdaccError("give AdaccCallback either a config or options, not both")
+        self.config = AdaccConfig(**options) if options else config
+        self.policy = Policy.load(policy) if isinstance(policy, str) else policy
+        self.session: AdaccSession | None = None
+        self.resume_dir: str | None = None  # set by AdaccTrainer; else found from the state
+
+    def _config(self, args: TrainingArguments) -> AdaccConfig:
+        if self.config is not None:
+            return self.config
+        options = getattr(args, "adacc_config", None)  # AdaccTrainingArguments
+        return options() if callable(options) else AdaccConfig()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            return
+        base = unwrap_model(model)
+        owner = base.__dict__.get("_adacc_session")
+        if owner is not None and owner is not self.session:
+            logger.info("adacc: the model already has an adacc session; this callback stands by")
+            return
+        policy, profile, sched = self.policy, None, {}
+        resume = self.resume_dir
+        if resume is None and state.global_step > 0:  # resumed: the checkpoint it came from
+            resume = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if resume is not None and os.path.isdir(resume):
+            saved, profile, st = read_artifacts(resume)
+            policy = saved or policy
+            sched = st.get("schedule", {})
+        if policy is None and getattr(args, "adacc_policy", None):
+            policy = Policy.load(args.adacc_policy)
+        if self.session is not None:
+            self.session.close()
+        config = run_config(self._config(args), args)
+        if config.max_seq_len is None:
+            loader = kwargs.get("train_dataloader")
+            collate = getattr(loader, "collate_fn", None)
+            collate = getattr(collate, "data_collator", collate)  # Trainer's column remover
+            longest = longest_sequence(args, collate, getattr(loader, "dataset", None))
+            if longest is not None:
+                config = dataclasses.replace(config, max_seq_len=longest)
+        self.session = AdaccSession(
+            model, config, policy=policy, profile=profile if policy else None
+        )
+        if sched:
+            self.session.restore_schedule(sched)
+        self.session.attach()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.session is not None:
+            self.session.on_step_begin(state.global_step + 1)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.session is not None:
+            self.session.on_step_end(state.global_step)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.session is not None and state.is_world_process_zero:
+            ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            write_artifacts(ckpt, self.session)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.session is not None:
+            if state.is_world_process_zero:
+                write_artifacts(args.output_dir, self.session)
+            self.session.close()

@@ -1,0 +1,32 @@
+"""What a session plans and reports: one `Plan` per bucket of batch shapes, and `AdaccEvent`s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..policy import Policy
+from ..schema import Profile
+from .shapes import ShapeKey
+
+__all__ = ["AdaccEvent", "Plan"]
+
+
+@dataclass
+class AdaccEvent:
+    """Something worth logging: a new plan, a switch, or a tracking step."""
+
+    step: int
+    kind: str  # "policy" | "switch" | "track"
+    policy: Policy | None = None
+    message: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """The policy of one bucket of batch shapes (``key`` None: every shape), and its profile."""
+
+    key: ShapeKey | None
+    policy: Policy
+    profile: Profile | None = None
+    stale: bool = False  # codec statistics moved since it was solved: re-solve before next use
