@@ -55,8 +55,8 @@ def test_step_peak_stays_within_budget_and_near_the_prediction(family, dtype, sh
     for r in rows:
         assert r.measured_nbytes <= r.budget_nbytes, r
         assert r.unknown_ops == 0, r
-        if r.at_edge:  # measured within 2 % above or 10 % below the prediction
-            assert -0.10 <= r.error <= 0.02, r
+        if r.at_edge:  # the prediction is for exactly this shape: within 5 %
+            assert abs(r.error) <= 0.05, r
     per_budget: dict[int, float] = {}
     for r in rows:
         if r.shape == list(batches[-1]["input_ids"].shape):

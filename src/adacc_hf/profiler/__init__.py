@@ -124,6 +124,7 @@ def profile_model(
             forward_transient_nbytes=mem.block_fwd_transient.get(g.name, 0),
             plain_forward_transient_nbytes=mem.plain_fwd_transient.get(g.name, 0),
             full_interior_nbytes=mem.full_interior.get(g.name, 0),
+            plain_cast_nbytes=mem.plain_casts.get(g.name, 0),
             dispatch_ms=m.dispatch_ms,
         )
     blocks_grads = sum(gp.grad_nbytes * gp.num_blocks for gp in gprofs.values())

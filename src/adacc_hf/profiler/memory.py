@@ -57,6 +57,7 @@ class StepMemory:
     block_fwd_transient: dict[str, int] = field(default_factory=dict)  # checkpointed, forward
     plain_fwd_transient: dict[str, int] = field(default_factory=dict)  # plain block forward
     full_interior: dict[str, int] = field(default_factory=dict)  # plain, followed by a plain one
+    plain_casts: dict[str, int] = field(default_factory=dict)  # of `full`: parameter casts
     tail_transient: int = 0  # backward after the first block (embeddings, tied weights)
     measured_backward: bool = True
     timeline: Timeline | None = None  # the full-recomputation step, block by block
@@ -215,6 +216,7 @@ def measure(
     mem = StepMemory(
         held=held,
         full={g.name: plain_runs[g.name].report.blocks[g.paths[0]] for g in groups},
+        plain_casts={g.name: plain_runs[g.name].report.casts[g.paths[0]] for g in groups},
         before=rep.before,
         after=rep.after,
         largest_other=rep.largest_other,

@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..adapters import get_adapter, unwrap_model
-from .ops import is_keyed, is_mutable, tensor_outputs
+from .ops import is_keyed, is_mutable, param_cast, tensor_outputs
 from .peak import loss_of
 from .sharded import forwards_without_backward
 
@@ -38,6 +38,9 @@ class ActivationMemory:
     largest_other: int = 0  # the largest single storage outside the blocks
     before: int = 0
     after: int = 0
+    # Of each block's bytes, autocast's casts of parameters (the weight-cast cache holds them for
+    # the whole autocast region anyway: they cost a block extra only once that region has ended).
+    casts: dict[str, int] = field(default_factory=dict)
 
     @property
     def per_block_mean(self) -> float:
@@ -49,7 +52,7 @@ class _StorageRecorder(TorchDispatchMode):
         super().__init__()
         self.where: str = ""
         self.blocks_started = False
-        self.records: list[tuple[StorageWeakRef, int, int, str, bool]] = []
+        self.records: list[tuple[StorageWeakRef, int, int, str, bool, bool]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -60,11 +63,13 @@ class _StorageRecorder(TorchDispatchMode):
         else:  # composite ops seen whole (``to``, ``contiguous`` called inside another dispatch
             # mode, e.g. by a codec): count an output only if its storage is new
             fresh = {t.untyped_storage().data_ptr() for t in tensor_outputs((args, kwargs))}
+        cast = param_cast(func, args)
         for t in tensor_outputs(out):
             s = t.untyped_storage()
             if s.nbytes() and (fresh is None or s.data_ptr() not in fresh):
+                where, started = self.where, self.blocks_started
                 self.records.append(
-                    (StorageWeakRef(s), s.data_ptr(), s.nbytes(), self.where, self.blocks_started)
+                    (StorageWeakRef(s), s.data_ptr(), s.nbytes(), where, started, cast)
                 )
         return out
 
@@ -110,14 +115,18 @@ def recorded_forward(
     def report() -> ActivationMemory:
         gc.collect()
         seen: set[int] = set()
-        result = ActivationMemory(total=0, blocks={p: 0 for p, _ in blocks})
-        for ref, ptr, nbytes, where, after in rec.records:
+        paths = [p for p, _ in blocks]
+        result = ActivationMemory(
+            total=0, blocks=dict.fromkeys(paths, 0), casts=dict.fromkeys(paths, 0)
+        )
+        for ref, ptr, nbytes, where, after, cast in rec.records:
             if ref.expired() or ptr in seen:
                 continue
             seen.add(ptr)
             result.total += nbytes
             if where:
                 result.blocks[where] += nbytes
+                result.casts[where] += nbytes if cast else 0
             else:
                 result.other += nbytes
                 result.largest_other = max(result.largest_other, nbytes)

@@ -72,6 +72,9 @@ class GroupProfile:
     forward_transient_nbytes: int = 0  # peak of a checkpointed block's forward above its start
     plain_forward_transient_nbytes: int = 0  # the same for a block without checkpointing
     full_interior_nbytes: int = 0  # held by a plain block followed by a plain one (0: unknown)
+    # Of a plain block's bytes, autocast's parameter casts: alive in the weight-cast cache through
+    # forward under any policy, so they add to the step only from backward on.
+    plain_cast_nbytes: int = 0
     # runtime overhead of a checkpointed block that caches any op: every aten op of its forward
     # and recompute crossing the runtime's dispatch modes (measured; 0 in older profiles)
     dispatch_ms: float = 0.0

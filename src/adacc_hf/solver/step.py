@@ -9,15 +9,16 @@ embeddings); every term that is hard to model (gradients in flight, tied weights
 between blocks, T5's cross-attention) is in those measurements. For any policy the model adds only
 what the policy changes, block by block:
 
-    forward:j   resident + timeline.forward_start[j] + sum_{i<j} d_i + forward transient_j
-    forward     resident + timeline.loss_peak + sum_i d_i              (final norm, head, loss)
+    forward:j   resident + timeline.forward_start[j] + sum_{i<j} f_i + forward transient_j
+    forward     resident + timeline.loss_peak + sum_i f_i              (final norm, head, loss)
     head        resident + timeline.head_peak + sum_i d_i              (loss and head backward)
     backward:j  resident + timeline.backward_start[j] + sum_{i<=j} d_i + backward transient_j
     tail        resident + timeline.tail_peak                          (embeddings, tied weights)
     optimizer   resident + gradients + the optimizer step's temporaries
 
 ``resident`` = parameters, buffers, optimizer states, master weights and the batch; ``d_i`` = what
-block i holds under the policy minus what it holds under full recomputation. A checkpointed
+block i holds under the policy minus what it holds under full recomputation; ``f_i`` = ``d_i`` less
+a plain block's parameter casts (autocast's cache holds them through forward under any policy). A checkpointed
 block's transients are the measured ones, plus in forward what it keeps (minus in backward: its
 recompute hands kept outputs back instead of rerunning them, though one unsaved output at a time
 may still be rerun), plus its codecs' encode / decode workspace; a plain block's are the measured
@@ -178,6 +179,12 @@ def step_peak(
             zip(blocks, groups, tl.held, shared_extra, strict=True)
         )
     ]
+    # Through forward, autocast's weight-cast cache holds every parameter cast under any policy
+    # (the timeline counts them): a plain block's casts add to the step only from backward on.
+    forward_delta = [
+        d - (0 if b.checkpoint else g.plain_cast_nbytes)
+        for d, b, g in zip(delta, blocks, groups, strict=True)
+    ]
     moments: dict[str, int] = {}
     before = 0
     for j, (b, g) in enumerate(zip(blocks, groups, strict=True)):
@@ -189,9 +196,9 @@ def step_peak(
             + before
             + _forward_transient(b, g, measured, deltas)
         )
-        before += delta[j]
-    total = before
-    moments["forward"] = resident + acc + tl.loss_peak + total
+        before += forward_delta[j]
+    total = sum(delta)
+    moments["forward"] = resident + acc + tl.loss_peak + before
     moments["head"] = resident + max(0, acc - profile.nonblock_grad_nbytes) + tl.head_peak + total
     for j in range(len(blocks) - 1, -1, -1):
         b, g = blocks[j], groups[j]
