@@ -61,6 +61,51 @@ def chunked_head_problem(model: nn.Module) -> str | None:
     return None
 
 
+def chunked_causal_lm_loss(
+    head: nn.Linear,
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    *,
+    chunk_rows: int | None = None,
+    use_torch: bool | None = None,
+    **_: Any,
+) -> torch.Tensor:
+    """HF's ``ForCausalLMLoss(head(hidden), labels, ...)`` without the logits: the mean over
+    counted tokens, or their sum / `num_items_in_batch`. Under autocast, the hidden states and
+    the weight are cast to its dtype (as autocast's linear would) and reduced in fp32."""
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("the causal LM loss needs labels or shift_labels")
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(hidden.device)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    weight, bias = head.weight, head.bias
+    amp = torch.is_autocast_enabled(x.device.type)
+    if amp:  # what autocast's linear would compute in: cast once, then run without it
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    ctx = torch.autocast(x.device.type, enabled=False) if amp else contextlib.nullcontext()
+    with ctx:
+        total = chunked_linear_ce_sum(
+            x,
+            weight,
+            bias,
+            target,
+            ignore_index=ignore_index,
+            chunk_rows=chunk_rows,
+            use_torch=use_torch,
+        )
+    if num_items_in_batch is None:
+        return total / (target != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
 def _keeps_all(logits_to_keep: Any) -> bool:
     """HF's ``logits_to_keep``: 0 (an int) keeps every position."""
     return isinstance(logits_to_keep, int) and logits_to_keep == 0
@@ -141,46 +186,14 @@ class HeadPatch:
                 f"{type(self.model).__name__} changes the logits between its lm_head and its loss "
                 "(softcapping or scaling): the chunked LM head cannot apply; use head='full'"
             )
-        return self.loss(hidden, labels, **kwargs)
-
-    # -------------------------------------------------------------------------- the loss
-    def loss(
-        self,
-        hidden: torch.Tensor,
-        labels: torch.Tensor | None,
-        num_items_in_batch: torch.Tensor | int | None = None,
-        ignore_index: int = -100,
-        shift_labels: torch.Tensor | None = None,
-        **_: Any,
-    ) -> torch.Tensor:
-        """HF's ``ForCausalLMLoss(lm_head(hidden), labels, ...)``, chunked."""
-        if shift_labels is None:
-            assert labels is not None
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        target = shift_labels.reshape(-1).to(hidden.device)
-        x = hidden.reshape(-1, hidden.shape[-1])
-        weight, bias = self.head.weight, self.head.bias
-        amp = torch.is_autocast_enabled(x.device.type)
-        if amp:  # what autocast's linear would compute in: cast once, then run without it
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-        ctx = torch.autocast(x.device.type, enabled=False) if amp else contextlib.nullcontext()
-        with ctx:
-            total = chunked_linear_ce_sum(
-                x,
-                weight,
-                bias,
-                target,
-                ignore_index=ignore_index,
-                chunk_rows=self.chunk_rows,
-                use_torch=self.use_torch,
-            )
-        if num_items_in_batch is None:
-            return total / (target != ignore_index).sum()
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(total.device)
-        return total / num_items_in_batch
+        return chunked_causal_lm_loss(
+            self.head,
+            hidden,
+            labels,
+            chunk_rows=self.chunk_rows,
+            use_torch=self.use_torch,
+            **kwargs,
+        )
 
     # -------------------------------------------------------------------------- undo
     def remove(self) -> None:

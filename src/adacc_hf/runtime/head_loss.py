@@ -27,7 +27,7 @@ HAS_TORCH_CHUNKED = hasattr(F, "linear_cross_entropy") and hasattr(
 
 
 #: A chunk's fp32 logits are at most this large (or the hidden states' size, if larger).
-CHUNK_LOGITS_NBYTES = 32 * 2**20
+CHUNK_LOGITS_NBYTES = 8 * 2**20
 
 
 def default_chunk_rows(num_rows: int, hidden: int, vocab: int) -> int:

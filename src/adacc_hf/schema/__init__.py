@@ -39,6 +39,7 @@ from .ops import (
 from .profiles import (
     CodecProfile,
     GroupProfile,
+    HeadCost,
     OpProfile,
     Profile,
     Timeline,
@@ -64,6 +65,7 @@ __all__ = [
     "CodecProfile",
     "GroupPolicy",
     "GroupProfile",
+    "HeadCost",
     "ModelTrace",
     "OpProfile",
     "OpSpec",
