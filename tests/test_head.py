@@ -13,10 +13,11 @@ import torch
 import transformers
 from sync_count import SyncCounter
 
-from adacc_hf import apply_adacc, assets, measure_step_peak, uniform_policy
-from adacc_hf.errors import AdaccError
+from adacc_hf import apply_adacc, assets, measure_step_peak, prepare, profile_model, uniform_policy
+from adacc_hf.errors import AdaccError, BudgetError
 from adacc_hf.runtime.head import HeadPatch, chunked_head_problem
 from adacc_hf.runtime.head_loss import HAS_TORCH_CHUNKED
+from adacc_hf.solver import estimate_static_memory, min_budget, solve
 
 PATHS = [pytest.param(True, id="torch"), pytest.param(False, id="fallback")]
 GRAD_TOL = 1e-5
@@ -197,3 +198,30 @@ def test_chunked_head_adds_no_host_sync(use_torch):
     plain = count()
     with HeadPatch(model, chunk_rows=8, use_torch=use_torch):
         assert count() <= plain
+
+
+def test_auto_head_fits_a_budget_only_the_chunked_head_fits_and_the_step_measures_within_it():
+    """The profiler measures both heads; at a budget below the least step peak with full logits,
+    "auto" plans the chunked head and the measured step peak stays within the budget; "full"
+    refuses the same budget."""
+    model = assets.tiny_model(
+        "llama", vocab_size=16000, hidden_size=32, intermediate_size=64, num_hidden_layers=2
+    )
+    batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=128)
+    prof = profile_model(model, batch, repeats=1)
+    assert set(prof.heads) == {"full", "chunked"}
+    full, chunked = prof.heads["full"], prof.heads["chunked"]
+    assert full.held >= 2 * 128 * 16000 * 4 > 100 * chunked.held  # log-probs vs nothing
+    static = estimate_static_memory(model, optimizer="sgd")
+    least_full = min_budget(prof, static, head="full")
+    least_chunked = min_budget(prof, static, head="chunked")
+    assert least_chunked < least_full
+    budget = (least_full + least_chunked) // 2
+    with pytest.raises(BudgetError):
+        solve(prof, budget, static_nbytes=static, head="full")
+    assert solve(prof, budget, static_nbytes=static, head="auto").policy.head == "chunked"
+    session = prepare(model, budget, batch, optimizer="sgd", adaptive=False, head="auto")
+    assert session.handle.policy.head == "chunked"
+    peak = measure_step_peak(model, batch, torch.optim.SGD(model.parameters(), lr=0.0))
+    session.close()
+    assert peak.peak_nbytes <= budget, (peak.peak_nbytes, budget)
