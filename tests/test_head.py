@@ -17,6 +17,7 @@ from adacc_hf import apply_adacc, assets, measure_step_peak, prepare, profile_mo
 from adacc_hf.errors import AdaccError, BudgetError
 from adacc_hf.runtime.head import HeadPatch, chunked_head_problem
 from adacc_hf.runtime.head_loss import HAS_TORCH_CHUNKED
+from adacc_hf.schema import Profile
 from adacc_hf.solver import estimate_static_memory, min_budget, solve
 
 PATHS = [pytest.param(True, id="torch"), pytest.param(False, id="fallback")]
@@ -210,6 +211,7 @@ def test_auto_head_fits_a_budget_only_the_chunked_head_fits_and_the_step_measure
     batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=128)
     prof = profile_model(model, batch, repeats=1)
     assert set(prof.heads) == {"full", "chunked"}
+    assert Profile.from_json(prof.to_json()).heads == prof.heads
     full, chunked = prof.heads["full"], prof.heads["chunked"]
     assert full.held >= 2 * 128 * 16000 * 4 > 100 * chunked.held  # log-probs vs nothing
     static = estimate_static_memory(model, optimizer="sgd")
