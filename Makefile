@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # On a machine without CUDA, pin the local CPU build of torch so pip never pulls CUDA wheels.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo memory-demo test test-all test-dist bench-cpu bench-dispatch accuracy bench-codecs plan-sweep families-table lint format clean
+.PHONY: setup demo memory-demo test test-all test-dist bench-cpu bench-dispatch accuracy bench-codecs plan-sweep max-batch families-table lint format clean
 
 setup: $(VENV)/.installed
 
@@ -58,6 +58,11 @@ bench-codecs: setup
 # Budget sweep: predicted vs measured activation memory on the tiny family configs.
 plan-sweep: setup
 	$(PY) benchmarks/plan_sweep.py --out benchmarks/results/plan-sweep-cpu.json
+
+# The largest micro-batch per strategy at one budget on SmolLM2-135M (HF full checkpointing vs
+# Adacc with the chunked LM head), every step measured; slow on CPU (minutes per point).
+max-batch: setup
+	$(PY) benchmarks/max_batch.py --out benchmarks/results/max-batch-cpu.json
 
 # Every tested transformers family (slow ones too, ~10 min on 2 cores) -> JSON -> README's table.
 families-table: setup

@@ -85,6 +85,14 @@ class AdaccTrainingArguments(TrainingArguments):
             "Let blocks run different policies (some without checkpointing) to fill the budget."
         ),
     )
+    adacc_head: str = field(
+        default="auto",
+        metadata=_help(
+            "How a causal LM's head and loss run: 'full' (the model's own logits), 'chunked' "
+            "(the loss chunk by chunk: the [tokens x vocab] logits never exist and training "
+            "forwards return logits=None) or 'auto' (the solver picks the fastest that fits)."
+        ),
+    )
     adacc_max_seq_len: int | None = field(
         default=None,
         metadata=_help(
@@ -149,6 +157,7 @@ class AdaccTrainingArguments(TrainingArguments):
             solver_time_limit=self.adacc_solver_time_limit,
             max_codec_error=self.adacc_max_codec_error,
             split_blocks=self.adacc_split_blocks,
+            head=self.adacc_head,
             max_seq_len=self.adacc_max_seq_len,
         )
 

@@ -10,6 +10,7 @@ import torch
 
 from ..codecs import CodecError, get_codec
 from ..errors import AdaccError
+from ..schema import HEADS
 from ..solver import HEADROOM
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,6 +30,8 @@ class AdaccConfig:
     solver_time_limit: float = 10.0
     max_codec_error: float = 0.5
     split_blocks: bool = True
+    # A causal LM's head and loss: "full", "chunked" (`runtime.head`) or "auto" (the solver's pick)
+    head: str = "auto"
     optimizer: str = "adamw_torch"
     mixed_precision: str | None = None  # "bf16" / "fp16": forwards autocast to it
     gradient_accumulation_steps: int = 1
@@ -52,6 +55,8 @@ class AdaccConfig:
                     get_codec(name)
                 except CodecError as e:
                     raise AdaccError(f"adacc codecs: {e}") from None
+        if self.head not in ("auto", *HEADS):
+            raise AdaccError(f"head must be 'auto' or one of {list(HEADS)}, not {self.head!r}")
         if self.max_tracking_interval < 1:
             raise AdaccError("max_tracking_interval must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):

@@ -134,7 +134,7 @@ class AdaccSession:
         c, static = self.config, self._static()
         acc = c.gradient_accumulation_steps
         budget = self._budget()
-        planned = planned_budget(budget, static, profile, c.headroom, acc)
+        planned = planned_budget(budget, static, profile, c.headroom, acc, c.head)
         policy = solve_policy(
             profile,
             planned,
@@ -145,6 +145,7 @@ class AdaccSession:
             time_limit_s=c.solver_time_limit,
             split_blocks=c.split_blocks,
             accumulation=acc,
+            head=c.head,
         )
         policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=budget, headroom=c.headroom)
         return policy
@@ -179,7 +180,7 @@ class AdaccSession:
             # A batch longer than any planned one, which the budget cannot hold: never silently
             # over budget, and never a crash mid-run where full recomputation trains.
             acc = self.config.gradient_accumulation_steps
-            policy = least_memory_policy(profile, self._static(), acc)
+            policy = least_memory_policy(profile, self._static(), acc, self.config.head)
             policy.metadata.update(
                 budget_spec=str(self.config.budget), budget_nbytes=self._budget()
             )

@@ -21,7 +21,7 @@ from .._version import __version__
 from ..adapters import get_adapter, unwrap_model
 from ..codecs import CodecError, get_codec
 from ..errors import PolicyError
-from ..schema import POLICY_FORMAT, GroupPolicy
+from ..schema import HEADS, POLICY_FORMAT, GroupPolicy
 from .display import action_counts, table
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ _KEYS = frozenset(
         "adapter",
         "adapter_version",
         "groups",
+        "head",
         "metadata",
     }
 )
@@ -49,6 +50,7 @@ class Policy:
     groups: dict[str, GroupPolicy]
     metadata: dict[str, Any] = field(default_factory=dict)
     adapter_version: int = 1
+    head: str = "full"  # the LM head and loss: `HEADS` (``"chunked"``: `runtime.head`)
     library_version: str = __version__
     format_version: int = POLICY_FORMAT
 
@@ -61,6 +63,7 @@ class Policy:
             "adapter": self.adapter,
             "adapter_version": self.adapter_version,
             "groups": {k: g.to_json() for k, g in sorted(self.groups.items())},
+            "head": self.head,
             "metadata": self.metadata,
         }
 
@@ -96,6 +99,7 @@ class Policy:
                 library_version=str(obj.get("library_version", "?")),
                 format_version=version,
                 groups=groups,
+                head=str(obj.get("head", "full")),
                 metadata=dict(obj.get("metadata", {})),
             )
         except PolicyError:
@@ -136,7 +140,8 @@ class Policy:
     def fingerprint(self) -> str:
         """A short hash of the actions (not the metadata): equal on every rank running it."""
         body = {k: g.to_json() for k, g in sorted(self.groups.items())}
-        text = json.dumps([self.model_type, body], sort_keys=True)
+        parts = [self.model_type, body] + ([self.head] if self.head != "full" else [])
+        text = json.dumps(parts, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------- validation
@@ -145,6 +150,8 @@ class Policy:
         (written in place after being read) recomputed."""
         if not self.groups:
             raise PolicyError("the policy has no block groups")
+        if self.head not in HEADS:
+            raise PolicyError(f"unknown head {self.head!r}: one of {list(HEADS)}")
         for name, g in self.groups.items():
             specs = {o.key: o for o in g.ops}
             if not g.variants or any(v.count < 0 for v in g.variants):

@@ -22,6 +22,7 @@ from .._version import __version__
 from ..adapters import get_adapter, unwrap_model
 from ..runtime.trace import autocast_context, run_representatives
 from ..schema import GroupProfile, Profile
+from .head import measure_heads
 from .memory import StepMemory, measure, sharded
 from .ops import GroupOps, candidate_codecs, op_visitor, profile_codec
 from .variants import BlockProbe, measure_variants
@@ -31,6 +32,7 @@ __all__ = [
     "Profile",
     "StepMemory",
     "candidate_codecs",
+    "measure_heads",
     "measure_variants",
     "profile_codec",
     "profile_model",
@@ -100,6 +102,8 @@ def profile_model(
         groups = adapter.block_groups(base)
         specs = {g.name: [o.spec() for o in measured[g.name].ops] for g in groups}
         mem = measure(base, dict(sample_batch), groups, specs, autocast)
+        # each way of running the LM head and loss (a sharded head gathers across ranks)
+        heads = {} if sharded(base) else measure_heads(base, dict(sample_batch), autocast)
     finally:
         if active is not None:
             handle.set_policy(active)
@@ -161,5 +165,6 @@ def profile_model(
             if isinstance(v, torch.Tensor)
         ),
         timeline=timeline,
+        heads=heads,
         library_version=__version__,
     )

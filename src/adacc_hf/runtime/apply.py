@@ -10,6 +10,7 @@ from ..adapters import get_adapter, unwrap_model
 from ..errors import AdaccError, AlreadyAppliedError
 from ..policy import Policy
 from .checkpoint import _COMPILE_MSG, BlockRuntime
+from .head import HeadPatch
 
 _ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
 _HANDLE_ATTR = "_adacc_handle"
@@ -23,6 +24,7 @@ class AdaccHandle:
         self.policy = policy
         self.runtimes: dict[str, BlockRuntime] = {}
         self._saved: list[tuple[nn.Module, dict[str, Any]]] = []
+        self.head: HeadPatch | None = None  # the chunked LM head, when the policy asks for it
         self.active = False
 
     def _install(self) -> None:
@@ -43,6 +45,7 @@ class AdaccHandle:
                 self.runtimes[path] = rt
                 block.gradient_checkpointing = True
                 block._gradient_checkpointing_func = rt
+        self._set_head(self.policy.head)
         setattr(self.model, _HANDLE_ATTR, self)
         self.active = True
 
@@ -60,6 +63,7 @@ class AdaccHandle:
                     block.__dict__.pop(a, None)
         self._saved.clear()
         self.runtimes.clear()
+        self._set_head("full")
         self.model.__dict__.pop(_HANDLE_ATTR, None)
         self.active = False
 
@@ -78,11 +82,20 @@ class AdaccHandle:
             for path, gp, variant in plan:
                 if variant.checkpoint:
                     self.runtimes[path].set_variant(variant, gp)
+            self._set_head(policy.head)
             self.policy = policy
             return
         self.remove()
         self.policy = policy
         self._install()
+
+    def _set_head(self, head: str) -> None:
+        """Install or remove the chunked LM head (`runtime.head`) to match `head`."""
+        if head == "chunked" and self.head is None:
+            self.head = HeadPatch(self.model)
+        elif head != "chunked" and self.head is not None:
+            self.head.remove()
+            self.head = None
 
     def set_tracker(self, tracker: Any) -> None:
         """Hand every checkpointed block's ops to `tracker` during the next forwards (None: stop)."""

@@ -60,6 +60,9 @@ CODEC_FOR_LAYER: dict[str, str] = {
 #: in forward, and the gradients then belong to another computation. Router outputs are small
 #: (tokens x experts), and the top-k choice recomputed from retained probabilities is exact.
 ALWAYS_RETAIN = frozenset({"router"})
+#: How a causal LM's head and loss run: the model's own ``[tokens x vocab]`` logits, or chunked
+#: (the logits never materialised: `runtime.head`).
+HEADS = ("full", "chunked")
 
 FLOAT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
 #: Outputs smaller than this (per-row statistics, scalars) are never compressed.

@@ -99,6 +99,17 @@ class Timeline:
 
 
 @dataclass
+class HeadCost:
+    """One way of running the LM head and loss (`HEADS`), measured alone on the profiled batch:
+    bytes above the level when it starts (the final hidden states alive), and its time."""
+
+    held: int  # left held for backward at the end of forward (log-probs, saved inputs)
+    forward_peak: int  # the highest during its forward
+    backward_peak: int  # the highest during its backward (the held bytes included)
+    ms: float  # forward + backward
+
+
+@dataclass
 class Profile:
     """Everything the solver needs, measured on one device, dtype and micro-batch shape.
 
@@ -129,6 +140,9 @@ class Profile:
     # Measured per action table: "group:variant fingerprint" -> [forward, backward] transient
     # minus full recomputation's, on the profiled block ("group:full": full recomputation's own).
     variant_transients: dict[str, list[int]] = field(default_factory=dict)
+    # Measured per way of running the LM head and loss (`HEADS`; empty: only the model's own,
+    # which the timeline measured).
+    heads: dict[str, HeadCost] = field(default_factory=dict)
     library_version: str = ""
     format_version: int = PROFILE_FORMAT
 
@@ -161,6 +175,7 @@ class Profile:
         d = {k: v for k, v in d.items() if k in known_profile}
         if isinstance(d.get("timeline"), dict):
             d["timeline"] = Timeline(**d["timeline"])
+        d["heads"] = {k: HeadCost(**v) for k, v in d.get("heads", {}).items()}
         return cls(**d, groups=groups)
 
     @property

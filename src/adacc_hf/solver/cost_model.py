@@ -24,12 +24,21 @@ import torch
 from ..codecs import get_codec
 from ..errors import PolicyError
 from ..policy import Policy
-from ..schema import ALWAYS_RETAIN, Action, GroupProfile, OpProfile, Profile, variant_key
+from ..schema import (
+    ALWAYS_RETAIN,
+    HEADS,
+    Action,
+    GroupProfile,
+    OpProfile,
+    Profile,
+    variant_key,
+)
 from .static import StaticMemory
 from .step import (
     BlockLoad,
     StepEstimate,
     extreme_peaks,
+    head_shift,
     held_in_order,
     in_forward_order,
     step_peak,
@@ -147,9 +156,31 @@ def evaluate(
     return held, math.fsum(ms), transient
 
 
-def min_budget(profile: Profile, static: int | StaticMemory = 0, accumulation: int = 1) -> int:
-    """The smallest budget any policy fits in: the least step peak (`step.extreme_peaks`)."""
-    return extreme_peaks(profile, static, accumulation)[0].peak_nbytes
+def min_budget(
+    profile: Profile, static: int | StaticMemory = 0, accumulation: int = 1, head: str = "full"
+) -> int:
+    """The smallest budget any policy fits in: the least step peak (`step.extreme_peaks`), with
+    the LM head run as `head` (``"auto"``: the least of the measured ones)."""
+    return min(
+        extreme_peaks(profile, static, accumulation, h)[0].peak_nbytes
+        for h in candidate_heads(profile, head)
+    )
+
+
+def candidate_heads(profile: Profile, head: str) -> list[str]:
+    """The ways of running the LM head a solve for `head` weighs: ``"auto"``: every one the
+    profile measured (the model's own when none); otherwise `head` itself, which must have been
+    measured unless it is the model's own (``"full"``)."""
+    if head == "auto":
+        return [h for h in HEADS if h in profile.heads] or ["full"]
+    if head not in HEADS:
+        raise PolicyError(f"unknown head {head!r}: 'auto' or one of {list(HEADS)}")
+    if head != "full" and head not in profile.heads:
+        raise PolicyError(
+            f"the profile has no measurement of the {head!r} LM head: the model cannot take it "
+            "(see adacc_hf.runtime.head.chunked_head_problem) or the profile predates it"
+        )
+    return [head]
 
 
 def no_checkpoint_budget(
@@ -180,16 +211,20 @@ def planned_budget(
     profile: Profile,
     headroom: float = HEADROOM,
     accumulation: int = 1,
+    head: str = "full",
 ) -> int:
     """The budget to solve for: `headroom` of the share left after static memory kept free, unless
     the whole budget fits no checkpointing at all (nothing data-dependent then) or only the whole
-    budget fits any policy."""
-    low, high = extreme_peaks(profile, static, accumulation)
-    if budget_nbytes >= high.peak_nbytes:
+    budget fits any policy (with the LM head run as `head`, or any measured way for "auto")."""
+    peaks = [
+        extreme_peaks(profile, static, accumulation, h) for h in candidate_heads(profile, head)
+    ]
+    low = min(p[0].peak_nbytes for p in peaks)
+    if budget_nbytes >= min(p[1].peak_nbytes for p in peaks):
         return budget_nbytes
     total = static.total if isinstance(static, StaticMemory) else int(static)
     planned = budget_nbytes - int(max(0, budget_nbytes - total) * headroom)
-    return budget_nbytes if planned < low.peak_nbytes else planned
+    return budget_nbytes if planned < low else planned
 
 
 def head_transient(profile: Profile) -> int:
@@ -278,20 +313,22 @@ def predict(
     Ops a variant does not name count as recompute; a codec the profile did not measure on an op
     is sized exactly (``Codec.predict_nbytes``) and timed as 0 ms (listed in ``unprofiled``).
     ``static_nbytes``: a `StaticMemory` (gradients, states and optimizer temporaries placed in the
-    step), or a number of bytes resident all step long.
+    step), or a number of bytes resident all step long. The policy's LM head (``policy.head``)
+    adds its measured time and bytes beyond the model's own head (`step.head_shift`).
     """
     loads, added_ms, unprofiled = block_loads(profile, policy)
+    shift = head_shift(profile, policy.head)
     ordered = in_forward_order(profile, loads)
-    est: StepEstimate = step_peak(profile, ordered, static_nbytes, accumulation)
+    est: StepEstimate = step_peak(profile, ordered, static_nbytes, accumulation, policy.head)
     checkpointed = [g for g, bl in loads.items() if any(b.checkpoint for b in bl)]
     transient = max(
         [head_transient(profile), *(profile.groups[g].transient_nbytes for g in checkpointed)]
     )
     static = static_nbytes.total if isinstance(static_nbytes, StaticMemory) else int(static_nbytes)
     return Prediction(
-        held_nbytes=profile.nonblock_nbytes + sum(held_in_order(profile, ordered)),
+        held_nbytes=profile.nonblock_nbytes + shift.held + sum(held_in_order(profile, ordered)),
         per_block={g: [b.held for b in bl] for g, bl in loads.items()},
-        added_ms=added_ms,
+        added_ms=added_ms + shift.ms,
         transient_nbytes=transient,
         static_nbytes=static,
         peak_nbytes=est.peak_nbytes,

@@ -17,7 +17,7 @@ from ..errors import BudgetError, PolicyError
 from ..policy import Policy
 from ..schema import Profile
 from .budget import fmt_bytes, resolve_budget
-from .cost_model import Prediction, group_models, predict, recompute_ms
+from .cost_model import Prediction, candidate_heads, group_models, predict, recompute_ms
 from .milp import Caps, make_solver, run
 from .realise import Solution, full_recompute_counts, policy_from_counts, solve_metadata
 from .static import StaticMemory
@@ -36,6 +36,7 @@ def solve(
     split_blocks: bool = True,
     mip_gap: float = 1e-3,
     accumulation: int = 1,
+    head: str = "full",
 ) -> Solution:
     """Solve for the fastest per-op policy of ``profile`` whose step peaks within ``budget``.
 
@@ -47,8 +48,60 @@ def solve(
     optimality; that can take seconds on near-symmetric blocks), or after ``time_limit_s`` with
     the best policy found. ``accumulation`` > 1: gradients are alive through every micro-batch
     but the first. Raises `BudgetError` when no policy fits. A solver failure falls back to full
-    recomputation with a warning.
+    recomputation with a warning. ``head``: how the LM head and loss run (`schema.HEADS`), or
+    ``"auto"``: each way the profile measured is solved for and the fastest fitting one wins
+    (``policy.head``).
     """
+    heads = candidate_heads(profile, head)
+    kwargs = dict(
+        static_nbytes=static_nbytes,
+        codecs=codecs,
+        max_rel_error=max_rel_error,
+        solver=solver,
+        time_limit_s=time_limit_s,
+        split_blocks=split_blocks,
+        mip_gap=mip_gap,
+        accumulation=accumulation,
+    )
+    if len(heads) == 1:
+        return _solve(profile, budget, head=heads[0], **kwargs)
+    found: list[tuple[Solution, list]] = []
+    error: BudgetError | None = None
+    for h in heads:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                found.append((_solve(profile, budget, head=h, **kwargs), caught))
+            except BudgetError as e:
+                error = e if error is None else error
+    if not found:
+        assert error is not None
+        raise error
+    best, caught = min(
+        found,
+        key=lambda f: (f[0].status == "fallback", f[0].added_ms, f[0].peak_nbytes),
+    )
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    best.min_budget_nbytes = min(f[0].min_budget_nbytes for f in found)
+    return best
+
+
+def _solve(
+    profile: Profile,
+    budget: int | float | str,
+    *,
+    static_nbytes: int | StaticMemory,
+    codecs: Iterable[str] | None,
+    max_rel_error: float | None,
+    solver: str,
+    time_limit_s: float,
+    split_blocks: bool,
+    mip_gap: float,
+    accumulation: int,
+    head: str,
+) -> Solution:
+    """`solve` with the LM head run as `head`."""
     t0 = time.perf_counter()
     resolved = resolve_budget(budget, profile.device)
     static = static_nbytes.total if isinstance(static_nbytes, StaticMemory) else int(static_nbytes)
@@ -65,12 +118,13 @@ def solve(
         raise ValueError(f"accumulation must be >= 1, got {accumulation!r}")
     groups = group_models(profile, allowed, max_rel_error)
     budget_nbytes = resolved.nbytes
-    low, high = extreme_peaks(profile, static_nbytes, accumulation)
+    low, high = extreme_peaks(profile, static_nbytes, accumulation, head)
     if budget_nbytes < low.peak_nbytes:
         raise BudgetError(infeasible_message(profile, budget_nbytes, static_nbytes, low))
 
     def realise(ks: dict, counts: dict) -> tuple[Policy, Prediction]:
         policy = policy_from_counts(profile, groups, ks, counts)
+        policy.head = head
         return policy, predict(profile, policy, static_nbytes, accumulation)
 
     label = solver
@@ -81,7 +135,7 @@ def solve(
         policy, pred = realise(ks, counts)
     else:
         backend, label = make_solver(solver, time_limit_s, mip_gap * recompute_ms(groups))
-        caps = Caps(*lp_caps(profile, budget_nbytes, static_nbytes, accumulation))
+        caps = Caps(*lp_caps(profile, budget_nbytes, static_nbytes, accumulation, head))
         found = _search(groups, budget_nbytes, caps, split_blocks, backend, realise)
         if found is None:
             status = "fallback"
@@ -123,6 +177,7 @@ def solve(
     policy.metadata["mip_gap"] = mip_gap
     policy.metadata["gap_ms"] = mip_gap * recompute_ms(groups)
     policy.metadata["accumulation"] = accumulation
+    policy.metadata["head"] = head
     return sol
 
 
@@ -190,6 +245,7 @@ def solve_policy(
     split_blocks: bool = True,
     mip_gap: float = 1e-3,
     accumulation: int = 1,
+    head: str = "full",
 ) -> Policy:
     """The `Policy` of `solve` (same arguments); its metadata holds the predicted numbers."""
     return solve(
@@ -203,6 +259,7 @@ def solve_policy(
         split_blocks=split_blocks,
         mip_gap=mip_gap,
         accumulation=accumulation,
+        head=head,
     ).policy
 
 
@@ -259,12 +316,20 @@ def infeasible_message(
 
 
 def least_memory_policy(
-    profile: Profile, static_nbytes: int | StaticMemory = 0, accumulation: int = 1
+    profile: Profile,
+    static_nbytes: int | StaticMemory = 0,
+    accumulation: int = 1,
+    head: str = "full",
 ) -> Policy:
     """Full recomputation (router outputs retained): the policy holding the least, for a batch
-    the budget cannot hold; its metadata holds the predicted numbers."""
+    the budget cannot hold, with the LM head whose step peaks lowest among `head`'s candidates;
+    its metadata holds the predicted numbers."""
     groups = group_models(profile, None, None)
     policy = policy_from_counts(profile, groups, *full_recompute_counts(groups))
+    policy.head = min(
+        candidate_heads(profile, head),
+        key=lambda h: extreme_peaks(profile, static_nbytes, accumulation, h)[0].peak_nbytes,
+    )
     pred = predict(profile, policy, static_nbytes, accumulation)
     policy.metadata = {
         "source": "least_memory",

@@ -10,8 +10,8 @@ between blocks, T5's cross-attention) is in those measurements. For any policy t
 what the policy changes, block by block:
 
     forward:j   resident + timeline.forward_start[j] + sum_{i<j} f_i + forward transient_j
-    forward     resident + timeline.loss_peak + sum_i f_i              (final norm, head, loss)
-    head        resident + timeline.head_peak + sum_i d_i              (loss and head backward)
+    forward     resident + timeline.loss_peak + sum_i f_i + h_f        (final norm, head, loss)
+    head        resident + timeline.head_peak + sum_i d_i + h_b        (loss and head backward)
     backward:j  resident + timeline.backward_start[j] + sum_{i<=j} d_i + backward transient_j
     tail        resident + timeline.tail_peak                          (embeddings, tied weights)
     optimizer   resident + gradients + the optimizer step's temporaries
@@ -24,13 +24,15 @@ recompute hands kept outputs back instead of rerunning them, though one unsaved 
 may still be rerun), plus its codecs' encode / decode workspace; a plain block's are the measured
 plain ones. With gradient accumulation every gradient is alive from the second micro-batch on.
 A profile without a measured timeline (synthetic ones) gets one synthesised from its fields.
+``h_f`` / ``h_b``: the chosen way of running the LM head and loss (`Profile.heads`, measured
+alone) minus the model's own, which the timeline measured: its forward and backward peaks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..schema import ALWAYS_RETAIN, GroupProfile, Profile, Timeline
+from ..schema import ALWAYS_RETAIN, GroupProfile, HeadCost, Profile, Timeline
 from .static import StaticMemory
 
 
@@ -108,6 +110,31 @@ def synthesised_timeline(profile: Profile) -> Timeline:
     )
 
 
+def head_shift(profile: Profile, head: str) -> HeadCost:
+    """`head`'s measured cost minus the model's own (``"full"``, what the timeline measured);
+    zero where either was not measured."""
+    own, chosen = profile.heads.get("full"), profile.heads.get(head)
+    if head == "full" or own is None or chosen is None:
+        return HeadCost(0, 0, 0, 0.0)
+    return HeadCost(
+        chosen.held - own.held,
+        chosen.forward_peak - own.forward_peak,
+        chosen.backward_peak - own.backward_peak,
+        chosen.ms - own.ms,
+    )
+
+
+def head_peaks(profile: Profile, tl: Timeline, head: str) -> tuple[int, int]:
+    """The timeline's (loss_peak, head_peak) with `head` in place of the model's own: each moves
+    by the head's peak difference, and stays at least the level forward ends at."""
+    shift = head_shift(profile, head)
+    end = tl.loss_peak - profile.forward_transient_nbytes + shift.held
+    return (
+        max(tl.loss_peak + shift.forward_peak, end),
+        max(tl.head_peak + shift.backward_peak, end),
+    )
+
+
 def _forward_transient(b: BlockLoad, g: GroupProfile, measured: int, deltas: dict) -> int:
     """Measured under full recomputation, plus the difference its action table makes (measured,
     `profiler.variants`), or else everything the block keeps (it accumulates while the block
@@ -153,8 +180,10 @@ def step_peak(
     blocks: list[BlockLoad],
     static: int | StaticMemory = 0,
     accumulation: int = 1,
+    head: str = "full",
 ) -> StepEstimate:
-    """The moments of the module docstring for `blocks` (in forward order)."""
+    """The moments of the module docstring for `blocks` (in forward order), the LM head and loss
+    run as `head` (`schema.HEADS`)."""
     resident, grads, opt_step = split_static(static)
     resident += profile.batch_nbytes
     tl = profile.timeline or synthesised_timeline(profile)
@@ -198,8 +227,9 @@ def step_peak(
         )
         before += forward_delta[j]
     total = sum(delta)
-    moments["forward"] = resident + acc + tl.loss_peak + before
-    moments["head"] = resident + max(0, acc - profile.nonblock_grad_nbytes) + tl.head_peak + total
+    loss_peak, head_peak = head_peaks(profile, tl, head)
+    moments["forward"] = resident + acc + loss_peak + before
+    moments["head"] = resident + max(0, acc - profile.nonblock_grad_nbytes) + head_peak + total
     for j in range(len(blocks) - 1, -1, -1):
         b, g = blocks[j], groups[j]
         measured = tl.backward_peak[j] - tl.backward_start[j]
@@ -221,7 +251,11 @@ def step_peak(
 
 
 def lp_caps(
-    profile: Profile, budget: int, static: int | StaticMemory = 0, accumulation: int = 1
+    profile: Profile,
+    budget: int,
+    static: int | StaticMemory = 0,
+    accumulation: int = 1,
+    head: str = "full",
 ) -> tuple[int, int]:
     """The MILP's caps (see `milp.Caps`) for `budget`: what it leaves for the blocks' held bytes at
     the end of forward / the head's backward (everything held), and for them plus one block's
@@ -233,7 +267,7 @@ def lp_caps(
     unsharded = profile.nonblock_grad_nbytes + sum(g.grad_nbytes for g in groups)
     acc = max(grads, unsharded) if accumulation > 1 else 0
     held = sum(tl.held)
-    at_end = max(tl.loss_peak, tl.head_peak) - held
+    at_end = max(head_peaks(profile, tl, head)) - held
     last = len(tl.held) - 1
     in_flight = max(0, acc - (tl.grads[last] if tl.grads else 0))
     at_last = tl.backward_start[last] - held
@@ -257,7 +291,7 @@ def uniform_loads(profile: Profile, checkpoint: dict[str, bool]) -> list[BlockLo
 
 
 def extreme_peaks(
-    profile: Profile, static: int | StaticMemory = 0, accumulation: int = 1
+    profile: Profile, static: int | StaticMemory = 0, accumulation: int = 1, head: str = "full"
 ) -> tuple[StepEstimate, StepEstimate]:
     """(the least peak any policy reaches, the peak with no checkpointing anywhere).
 
@@ -269,11 +303,11 @@ def extreme_peaks(
     best: StepEstimate | None = None
     for mask in range(2 ** len(names)):
         choice = {n: not (mask >> i) & 1 for i, n in enumerate(names)}
-        est = step_peak(profile, uniform_loads(profile, choice), static, accumulation)
+        est = step_peak(profile, uniform_loads(profile, choice), static, accumulation, head)
         if best is None or est.peak_nbytes < best.peak_nbytes:
             best = est
     plain = step_peak(
-        profile, uniform_loads(profile, dict.fromkeys(names, False)), static, accumulation
+        profile, uniform_loads(profile, dict.fromkeys(names, False)), static, accumulation, head
     )
     assert best is not None
     return best, plain
