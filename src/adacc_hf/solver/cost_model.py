@@ -182,14 +182,17 @@ def planned_budget(
     accumulation: int = 1,
 ) -> int:
     """The budget to solve for: `headroom` of the share left after static memory kept free, unless
-    the whole budget fits no checkpointing at all (nothing data-dependent then) or only the whole
-    budget fits any policy."""
+    the whole budget fits no checkpointing at all (nothing data-dependent then). Where the headroom
+    would leave less than the least step peak, the least step peak: at the tight end only the
+    policies holding the least fit, and they hold no codec output whose size varies (the step
+    model predicts them as measured), so the budget below full recomputation's peak stays free
+    rather than filled with compressed outputs the headroom was meant to cover."""
     low, high = extreme_peaks(profile, static, accumulation)
     if budget_nbytes >= high.peak_nbytes:
         return budget_nbytes
     total = static.total if isinstance(static, StaticMemory) else int(static)
     planned = budget_nbytes - int(max(0, budget_nbytes - total) * headroom)
-    return budget_nbytes if planned < low.peak_nbytes else planned
+    return min(budget_nbytes, max(planned, low.peak_nbytes))
 
 
 def head_transient(profile: Profile) -> int:
