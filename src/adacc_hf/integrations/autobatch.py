@@ -174,18 +174,20 @@ def choose_micro_batch(
     global_batch: int,
     *,
     max_micro_batch: int | None = None,
+    profiles: dict[ShapeKey, Profile] | None = None,
 ) -> BatchChoice:
     """The micro-batch (a divisor of `global_batch`, at most `max_micro_batch`) and policy with
     the best predicted tokens/s whose step fits `config.budget` (see the module docstring).
     `sample_batch` gives the rows (repeated as needed) and the length planned for; raises
-    `BudgetError` when not even a micro-batch of 1 fits."""
+    `BudgetError` when not even a micro-batch of 1 fits. `profiles` (by bucket) are reused and
+    filled: another budget's choice for the same model and batch profiles nothing anew."""
     if global_batch < 1:
         raise AdaccError(f"auto micro-batch: the global batch must be >= 1, got {global_batch}")
     model.train()
     device = next(model.parameters()).device
     autocast = config.autocast or detect_autocast(model, device)
     pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-    profiles: dict[ShapeKey, Profile] = {}
+    profiles = profiles if profiles is not None else {}
     static = None
     planned: list[tuple[Candidate, Policy, Profile, ShapeKey, dict[str, Any], Policy]] = []
     cands: list[Candidate] = []

@@ -1,0 +1,83 @@
+"""Automatic micro-batch: the chosen micro-batch's measured step peak (a real step with its
+accumulation and the optimizer) fits the budget, and the next larger candidate either does not fit
+(measured under full checkpointing, the least any policy holds) or has lower predicted tokens/s;
+and `AdaccTrainer` trains with the choice end to end."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from adacc_hf import apply_adacc, assets, measure_step_peak, prepare
+from adacc_hf.integrations.autobatch import choose_micro_batch, rows
+from adacc_hf.integrations.config import AdaccConfig
+
+GLOBAL = 8
+
+
+def _peak(model, sample, mb, acc, opt, hf=False) -> int:
+    """Measured step peak of micro-batch `mb` with (up to two of) its `acc` micro-batches."""
+    batches = [rows(sample, mb)] * min(acc, 2)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    disable = getattr(model, "activation_checkpointing_disable", None)
+    if hf:
+        (enable or model.gradient_checkpointing_enable)()
+    try:
+        measure_step_peak(model, batches, opt)  # optimizer states exist
+        return measure_step_peak(model, batches, opt).peak_nbytes
+    finally:
+        if hf:
+            (disable or model.gradient_checkpointing_disable)()
+
+
+def _check(model, sample, choice, budget, opt, measured):
+    assert measured <= budget, (choice.message(), measured, budget)
+    i = next(i for i, c in enumerate(choice.candidates) if c.micro_batch == choice.micro_batch)
+    if i + 1 < len(choice.candidates):
+        nxt = choice.candidates[i + 1]
+        if nxt.tokens_per_s is not None:  # fits: predicted slower
+            assert nxt.tokens_per_s <= choice.tokens_per_s, choice.message()
+        else:  # does not fit, measured with the least any policy holds
+            least = _peak(model, sample, nxt.micro_batch, nxt.accumulation, opt, hf=True)
+            assert least > budget, (choice.message(), least, budget)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_auto_micro_batch_fits_and_the_next_larger_does_not_or_is_slower(family, caplog):
+    model = assets.tiny_model(family)
+    sample = assets.tiny_batch(family, model, batch_size=GLOBAL, seq_len=48)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tight = _peak(model, sample, 2, GLOBAL // 2, opt, hf=True) * 102 // 100
+    loose = _peak(model, sample, 4, GLOBAL // 4, opt, hf=True) * 105 // 100
+    # Through `prepare`: the session starts on the chosen plan and reports it.
+    with caplog.at_level(logging.INFO, logger="adacc_hf"):
+        session = prepare(
+            model,
+            tight,
+            sample,
+            adaptive=False,
+            auto_batch_size=True,
+            global_batch=GLOBAL,
+            profile_repeats=1,
+        )
+    choice = session.batch_choice
+    assert (session.micro_batch * session.accumulation, choice.micro_batch) == (
+        GLOBAL,
+        session.micro_batch,
+    )
+    assert any(e.kind == "batch" for e in session.events)
+    assert "auto micro-batch" in caplog.text
+    try:
+        measured = _peak(model, sample, choice.micro_batch, choice.accumulation, opt)
+    finally:
+        session.close()
+    _check(model, sample, choice, tight, opt, measured)
+    # Another budget, the same profiles.
+    config = AdaccConfig(budget=loose, adaptive=False, profile_repeats=1)
+    other = choose_micro_batch(model, sample, config, GLOBAL, profiles=choice.profiles)
+    assert other.micro_batch >= choice.micro_batch
+    with apply_adacc(model, other.policy):
+        measured = _peak(model, sample, other.micro_batch, other.accumulation, opt)
+    _check(model, sample, other, loose, opt, measured)
