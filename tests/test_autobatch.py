@@ -81,3 +81,54 @@ def test_auto_micro_batch_fits_and_the_next_larger_does_not_or_is_slower(family,
     with apply_adacc(model, other.policy):
         measured = _peak(model, sample, other.micro_batch, other.accumulation, opt)
     _check(model, sample, other, loose, opt, measured)
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, batch):
+        self.rows = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["input_ids"]))]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def test_adacc_trainer_picks_the_micro_batch_and_keeps_the_global_batch(tmp_path):
+    from transformers import Trainer
+
+    from adacc_hf import AdaccError, AdaccTrainer, AdaccTrainingArguments
+
+    model = assets.tiny_model("gpt2")
+    sample = assets.tiny_batch("gpt2", model, batch_size=GLOBAL, seq_len=48)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    budget = _peak(model, sample, 2, GLOBAL // 2, opt, hf=True) * 102 // 100
+    del opt
+
+    def args(**kw):
+        return AdaccTrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            adacc=True,
+            adacc_memory_budget=str(budget),
+            adacc_auto_batch_size=True,
+            adacc_adaptive=False,
+            per_device_train_batch_size=GLOBAL,
+            max_steps=2,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            optim="adamw_torch",
+            **kw,
+        )
+
+    trainer = AdaccTrainer(model=model, args=args(), train_dataset=_Rows(sample))
+    trainer.train()
+    a = trainer.args
+    assert a.per_device_train_batch_size < GLOBAL
+    assert a.per_device_train_batch_size * a.gradient_accumulation_steps == GLOBAL
+    logged = [h for h in trainer.state.log_history if "adacc/micro_batch" in h]
+    assert logged and logged[0]["adacc/micro_batch"] == a.per_device_train_batch_size
+    # A plain Trainer builds its data loader before any callback runs: a clear error.
+    with pytest.raises(AdaccError, match="AdaccTrainer"):
+        Trainer(model=assets.tiny_model("gpt2"), args=args(), train_dataset=_Rows(sample)).train()
