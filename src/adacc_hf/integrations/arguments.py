@@ -102,6 +102,16 @@ class AdaccTrainingArguments(TrainingArguments):
         ),
     )
 
+    adacc_auto_batch_size: bool = field(
+        default=False,
+        metadata=_help(
+            "Pick the micro-batch with the best predicted tokens/s whose step fits the budget, "
+            "keeping the global batch (per_device_train_batch_size x gradient_accumulation_steps) "
+            "by adjusting accumulation. Needs AdaccTrainer (it plans before the data loader is "
+            "built)."
+        ),
+    )
+
     def __post_init__(self) -> None:
         if self.adacc_codecs is not None:  # also "a,b" (a YAML string, older command lines)
             items = [self.adacc_codecs] if isinstance(self.adacc_codecs, str) else self.adacc_codecs
@@ -159,6 +169,7 @@ class AdaccTrainingArguments(TrainingArguments):
             split_blocks=self.adacc_split_blocks,
             head=self.adacc_head,
             max_seq_len=self.adacc_max_seq_len,
+            auto_batch_size=self.adacc_auto_batch_size,
         )
 
     # The integration name is in `report_to` only while the object lives in this process: what

@@ -88,6 +88,7 @@ class AdaccCallback(TrainerCallback):
         self.policy = Policy.load(policy) if isinstance(policy, str) else policy
         self.session: AdaccSession | None = None
         self.resume_dir: str | None = None  # set by AdaccTrainer; else found from the state
+        self.batch_choice: Any = None  # `autobatch.BatchChoice`, set by AdaccTrainer
 
     def _config(self, args: TrainingArguments) -> AdaccConfig:
         if self.config is not None:
@@ -116,6 +117,12 @@ class AdaccCallback(TrainerCallback):
         if self.session is not None:
             self.session.close()
         config = run_config(self._config(args), args)
+        choice = self.batch_choice
+        if config.auto_batch_size and choice is None and policy is None:
+            raise AdaccError(
+                "adacc auto_batch_size needs AdaccTrainer: a plain Trainer builds its data loader "
+                "before callbacks run, so the micro-batch cannot change there"
+            )
         if config.max_seq_len is None:
             loader = kwargs.get("train_dataloader")
             collate = getattr(loader, "collate_fn", None)
@@ -123,9 +130,22 @@ class AdaccCallback(TrainerCallback):
             longest = longest_sequence(args, collate, getattr(loader, "dataset", None))
             if longest is not None:
                 config = dataclasses.replace(config, max_seq_len=longest)
+        if choice is not None and policy is None:  # AdaccTrainer's automatic micro-batch
+            policy, profile = choice.policy, choice.profile
         self.session = AdaccSession(
-            model, config, policy=policy, profile=profile if policy else None
+            model,
+            config,
+            policy=policy,
+            profile=profile if policy else None,
+            profiles=dict(choice.profiles) if choice is not None else None,
         )
+        if choice is not None:
+            self.session.micro_batch, self.session.accumulation = (
+                choice.micro_batch,
+                choice.accumulation,
+            )
+            self.session.batch_choice = choice
+            self.session.events.append(choice.event())
         if sched:
             self.session.restore_schedule(sched)
         self.session.attach()

@@ -45,6 +45,9 @@ class AdaccConfig:
     # Fraction of the budget above static memory the solver leaves free for batch-to-batch
     # variation (int4_outlier sizes vary by block and batch) and fragmentation.
     headroom: float = HEADROOM
+    # Pick the micro-batch (and accumulation, keeping the global batch) with the best predicted
+    # tokens/s under the budget (`autobatch.choose_micro_batch`): `prepare` and `AdaccTrainer`.
+    auto_batch_size: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.headroom < 0.5:

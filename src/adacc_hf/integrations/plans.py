@@ -16,7 +16,7 @@ class AdaccEvent:
     """Something worth logging: a new plan, a switch, or a tracking step."""
 
     step: int
-    kind: str  # "policy" | "switch" | "track"
+    kind: str  # "policy" | "switch" | "track" | "batch" (the automatic micro-batch)
     policy: Policy | None = None
     message: str = ""
     metrics: dict[str, float] = field(default_factory=dict)

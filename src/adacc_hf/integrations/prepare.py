@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
+from ..errors import AdaccError
 from ..policy import Policy
+from .autobatch import choose_micro_batch, rows
 from .config import AdaccConfig
 from .session import AdaccSession
 from .sharding import sharding_from_model
@@ -23,6 +26,8 @@ def prepare(
     policy: Policy | str | None = None,
     codecs: Iterable[str] | None = None,
     adaptive: bool = True,
+    auto_batch_size: bool = False,
+    global_batch: int | None = None,
     **config: Any,
 ) -> AdaccSession:
     """Adacc for custom loops and Accelerate: profile, solve and patch `model`.
@@ -36,6 +41,12 @@ def prepare(
     In a process group of several ranks, call it on every rank: all profile, rank 0 solves, and
     every rank runs (and later switches to) rank 0's policy. ZeRO-3 and FSDP2 sharding is read off
     the model's parameters unless `zero_stage` / `fsdp` / `world_size` are given.
+
+    ``auto_batch_size=True`` (needs `sample_batch`) also picks the micro-batch: the divisor of
+    `global_batch` (default: `sample_batch`'s rows x ``gradient_accumulation_steps``) with the best
+    predicted tokens/s whose step fits the budget (`autobatch.choose_micro_batch`). Build your
+    batches of ``session.micro_batch`` rows and accumulate ``session.accumulation`` of them per
+    optimizer step; ``session.batch_choice`` holds every candidate.
     """
     if isinstance(policy, str):
         policy = Policy.load(policy)
@@ -45,12 +56,37 @@ def prepare(
         budget=budget,
         codecs=list(codecs) if codecs is not None else None,
         adaptive=adaptive,
+        auto_batch_size=auto_batch_size,
         **config,
     )
+    if cfg.auto_batch_size and policy is None:
+        if sample_batch is None:
+            raise AdaccError("prepare(auto_batch_size=True) needs a sample_batch")
+        return _prepare_auto(model, cfg, sample_batch, global_batch)
     session = AdaccSession(model, cfg, policy=policy)
     if sample_batch is not None:
         session.setup(sample_batch)
         session.on_step_begin(1)
     else:
         session.attach()
+    return session
+
+
+def _prepare_auto(
+    model: nn.Module, cfg: AdaccConfig, sample: Mapping[str, Any], global_batch: int | None
+) -> AdaccSession:
+    """`prepare` with the automatic micro-batch: choose, then start on the chosen plan."""
+    if global_batch is None:
+        global_batch = len(next(iter(v for v in sample.values() if isinstance(v, Tensor))))
+        global_batch *= cfg.gradient_accumulation_steps
+    choice = choose_micro_batch(model, sample, cfg, global_batch)
+    cfg = dataclasses.replace(cfg, gradient_accumulation_steps=choice.accumulation)
+    session = AdaccSession(
+        model, cfg, policy=choice.policy, profile=choice.profile, profiles=choice.profiles
+    )
+    session.micro_batch, session.accumulation = choice.micro_batch, choice.accumulation
+    session.batch_choice = choice
+    session.events.append(choice.event())
+    session.setup(rows(sample, choice.micro_batch))
+    session.on_step_begin(1)
     return session

@@ -89,6 +89,10 @@ class AdaccSession:
         self._tracker: OutlierTracker | None = None
         self._warned: set[str] = set()
         self.step = 0
+        # The automatic micro-batch's choice (`autobatch`), for loops that build their own batches.
+        self.micro_batch: int | None = None
+        self.accumulation: int | None = None
+        self.batch_choice: Any = None  # `autobatch.BatchChoice`
 
     # ------------------------------------------------------------------ plans
     @property

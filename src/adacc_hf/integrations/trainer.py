@@ -18,6 +18,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..errors import AdaccError
 from .arguments import AdaccTrainingArguments
+from .autobatch import BatchChoice, choose_micro_batch
 from .callback import AdaccCallback, longest_sequence, run_config
 from .card import (
     POLICY_FILE,
@@ -71,7 +72,43 @@ class AdaccTrainer(Trainer):
             path = get_last_checkpoint(self.args.output_dir)
         if self._adacc_cb is not None:
             self._adacc_cb.resume_dir = path if isinstance(path, str) else None
+            config = run_config(self._adacc_cb._config(self.args), self.args)
+            if config.auto_batch_size and self._adacc_cb.policy is None:
+                self._adacc_cb.batch_choice = self._choose_micro_batch(config)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _choose_micro_batch(self, config: Any) -> BatchChoice:
+        """Plan the micro-batch on the first global batch of the training set (in order: no
+        sampler's random state is used), then set the per-device batch and accumulation the data
+        loader and the loop are built from."""
+        args = self.args
+        if getattr(args, "deepspeed", None) or self.is_deepspeed_enabled:
+            raise AdaccError(
+                "adacc auto_batch_size does not run with DeepSpeed yet (its config fixes the "
+                "micro-batch when the arguments are made): set the batch size yourself"
+            )
+        global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        sample = next(
+            iter(
+                self._get_dataloader(
+                    dataset=self.train_dataset,
+                    description="Training",
+                    batch_size=global_batch,
+                )
+            )
+        )
+        model = self.accelerator.unwrap_model(self.model) if self.accelerator else self.model
+        choice = choose_micro_batch(model, sample, config, global_batch)
+        args.per_device_train_batch_size = choice.micro_batch
+        args.gradient_accumulation_steps = choice.accumulation
+        self._train_batch_size = args.train_batch_size
+        logger.info(
+            "adacc auto micro-batch: per_device_train_batch_size=%d, "
+            "gradient_accumulation_steps=%d",
+            choice.micro_batch,
+            choice.accumulation,
+        )
+        return choice
 
     def training_step(self, *args: Any, **kwargs: Any):
         loss = super().training_step(*args, **kwargs)

@@ -20,6 +20,7 @@ from torch import nn
 
 from .._version import __version__
 from ..adapters import get_adapter, unwrap_model
+from ..runtime.peak import storage_nbytes
 from ..runtime.trace import autocast_context, run_representatives
 from ..schema import GroupProfile, Profile
 from .head import measure_heads
@@ -159,11 +160,8 @@ def profile_model(
         forward_transient_nbytes=mem.forward_transient,
         tail_transient_nbytes=mem.tail_transient,
         nonblock_grad_nbytes=nonblock_grads,
-        batch_nbytes=sum(
-            v.numel() * v.element_size()
-            for v in sample_batch.values()
-            if isinstance(v, torch.Tensor)
-        ),
+        # Each storage once, as a step holds it: ``labels`` is often ``input_ids`` itself.
+        batch_nbytes=storage_nbytes(sample_batch.values()),
         timeline=timeline,
         heads=heads,
         library_version=__version__,

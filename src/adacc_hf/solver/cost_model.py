@@ -214,8 +214,12 @@ def planned_budget(
     head: str = "full",
 ) -> int:
     """The budget to solve for: `headroom` of the share left after static memory kept free, unless
-    the whole budget fits no checkpointing at all (nothing data-dependent then) or only the whole
-    budget fits any policy (with the LM head run as `head`, or any measured way for "auto")."""
+    the whole budget fits no checkpointing at all (nothing data-dependent then), with the LM head
+    run as `head` (or any measured way for "auto"). Where the headroom would leave less than the
+    least step peak, the least step peak: at the tight end only the policies holding the least fit,
+    and they hold no codec output whose size varies (the step model predicts them as measured), so
+    the budget below full recomputation's peak stays free rather than filled with compressed
+    outputs the headroom was meant to cover."""
     peaks = [
         extreme_peaks(profile, static, accumulation, h) for h in candidate_heads(profile, head)
     ]
@@ -224,7 +228,7 @@ def planned_budget(
         return budget_nbytes
     total = static.total if isinstance(static, StaticMemory) else int(static)
     planned = budget_nbytes - int(max(0, budget_nbytes - total) * headroom)
-    return budget_nbytes if planned < low else planned
+    return min(budget_nbytes, max(planned, low))
 
 
 def head_transient(profile: Profile) -> int:

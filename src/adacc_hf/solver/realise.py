@@ -23,7 +23,9 @@ class Solution:
     """A solved policy and the numbers the cost model predicts for it."""
 
     policy: Policy
-    status: str  # "optimal", "feasible" (time limit), "fits" (no checkpointing), "fallback"
+    # "optimal", "feasible" (time limit), "fits" (no checkpointing), "least" (full recomputation
+    # at the floor), "fallback"
+    status: str
     solver: str
     solve_ms: float
     budget_nbytes: int
