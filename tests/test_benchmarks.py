@@ -55,6 +55,16 @@ def test_tiny_cpu_suite_writes_throughput_memory_and_max_batch(tmp_path):
             assert r["held_nbytes"] > 0 and r["peak_nbytes"] > res["static_nbytes"], name
             assert isinstance(r["fits"], bool)
         assert row["strategies"]["hf_full"]["ratio_vs_hf_full"] == 1.0
+        # added time per step over no checkpointing: the cost model's beside the measured one
+        for name in ("hf_full", "adacc"):
+            r = row["strategies"][name]
+            assert _finite(r["predicted_added_ms"]) and _finite(r["cpu_added_ms"]), name
+        assert row["strategies"]["none"]["predicted_added_ms"] == 0.0
+        assert row["strategies"]["adacc"]["best_fitting_baseline"] in {
+            "none",
+            "hf_full",
+            "naive_int4",
+        }
     # full recomputation holds less than no checkpointing, and fits at least as large a batch
     main = next(r for r in res["sweep"] if r["batch_size"] == res["main_batch"])["strategies"]
     assert main["hf_full"]["held_nbytes"] < main["none"]["held_nbytes"]

@@ -39,7 +39,7 @@ def print_rows(name: str, bs: int, rows: Mapping[str, Any], baseline: str = "hf_
     """One line per strategy of a throughput row: tokens/s, ratios, memory, fits."""
     print(
         f"[{name}] batch {bs}: {'strategy':18s} {'tok/s':>9s} {'ratio':>6s} {'best':>6s} "
-        f"{'held MiB':>9s} {'peak MiB':>9s} fits"
+        f"{'held MiB':>9s} {'peak MiB':>9s} fits  added ms predicted / measured (cpu)"
     )
     for n, r in rows.items():
         print(
@@ -47,7 +47,9 @@ def print_rows(name: str, bs: int, rows: Mapping[str, Any], baseline: str = "hf_
             f"{r.get(f'ratio_vs_{baseline}', NAN):6.2f} "
             f"{r.get(f'ratio_best_vs_{baseline}', NAN):6.2f} "
             f"{r.get('held_nbytes', 0) / MiB:9.1f} "
-            f"{(r.get('peak_nbytes') or 0) / MiB:9.1f} {r.get('fits')}",
+            f"{(r.get('peak_nbytes') or 0) / MiB:9.1f} {r.get('fits')!s:5s} "
+            f"{r.get('predicted_added_ms', NAN):7.1f} / {r.get('measured_added_ms', NAN):7.1f} "
+            f"({r.get('cpu_added_ms', NAN):.1f})",
             flush=True,
         )
 

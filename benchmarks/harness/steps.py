@@ -9,6 +9,7 @@ step is timed with `adacc_hf.runtime.timing.time_call` (synchronised on CUDA).
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -72,12 +73,15 @@ def time_interleaved(
     warmup: int = 1,
     errors: tuple[type[BaseException], ...] = (),
     on_error: Callable[[str, BaseException], None] | None = None,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per training step of each strategy, measured round-robin.
 
     Each round enters every strategy in turn (the order rotates from round to round), runs
     `warmup` untimed steps, then `steps` timed ones. Returns every timed step per strategy. A
     strategy whose step raises one of `errors` (out of memory) is dropped from later rounds.
+    `cpu`, when given, gets each timed step's process CPU seconds per strategy (on a shared CPU,
+    what one thread's work cost whatever the other jobs did).
     """
     names = list(strategies)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -91,12 +95,17 @@ def time_interleaved(
             try:
                 with s:
                     for i in range(warmup + steps):
+                        c0 = time.process_time()
                         _, took = timed_step(model, batch, optimizer, s)
                         if i >= warmup:
                             times[n].append(took)
+                            if cpu is not None:
+                                cpu.setdefault(n, []).append(time.process_time() - c0)
             except errors as e:
                 failed.add(n)
                 times[n] = []
+                if cpu is not None:
+                    cpu.pop(n, None)
                 optimizer.zero_grad(set_to_none=True)
                 if on_error is not None:
                     on_error(n, e)

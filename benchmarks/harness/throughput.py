@@ -34,7 +34,7 @@ from .prepared import Prepared
 from .report import MiB, jsonable, main_row, print_rows
 from .search import largest
 from .steps import median, step_stats, time_interleaved
-from .strategies import MAIN, build, prepare
+from .strategies import MAIN, REGISTRY, build, prepare
 
 
 @dataclass
@@ -106,6 +106,7 @@ def bench_batch(
         rows[name]["oom_in_timing"] = True
         free_cached()
 
+    cpu: dict[str, list[float]] = {}
     times = time_interleaved(
         runnable,
         run.model,
@@ -116,11 +117,17 @@ def bench_batch(
         warmup=a.warmup,
         errors=oom_errors(),
         on_error=dropped,
+        cpu=None if run.cuda else cpu,
     )
     for n, ts in times.items():
         rows[n].update(step_stats(ts, bs * run.spec.seq_len))
+        if cpu.get(n):
+            rows[n]["cpu_ms_median"] = median(cpu[n]) * 1e3
+            rows[n]["cpu_ms_min"] = min(cpu[n]) * 1e3
         rows[n]["info"] = jsonable(ready[n].info)
     add_predictions(run, ready, rows, batch)
+    added_times(rows)
+    vs_best_fitting(rows)
     base = rows.get(baseline, {})
     for r in rows.values():
         for key, ratio in (("tokens_per_s", "ratio"), ("tokens_per_s_best", "ratio_best")):
@@ -136,9 +143,9 @@ def bench_batch(
 def add_predictions(
     run: Run, ready: dict[str, Prepared], rows: dict[str, Any], batch: dict[str, Any]
 ) -> None:
-    """The cost model's held bytes and peak of each strategy's policy (from Adacc's profile at
-    this batch; a strategy without one as the uniform policy it amounts to), beside the measured
-    ones."""
+    """The cost model's held bytes, peak and added time of each strategy's policy (from Adacc's
+    profile at this batch; a strategy without one as the uniform policy it amounts to), beside the
+    measured ones."""
     prof = next((s.profiles.adacc for s in ready.values() if s.profiles is not None), None)
     if prof is None:
         return
@@ -154,6 +161,42 @@ def add_predictions(
         pred = predict(prof, pol, run.static)
         rows[n]["predicted_held_nbytes"] = pred.held_nbytes
         rows[n]["predicted_peak_nbytes"] = pred.peak_nbytes
+        rows[n]["predicted_added_ms"] = pred.added_ms
+
+
+def added_times(rows: dict[str, Any], base: str = "none") -> None:
+    """Each strategy's measured added time per step over no checkpointing (``base``, from the
+    same interleaved run; CPU: also in process CPU time) beside the cost model's prediction, and
+    their ratio."""
+    ref = rows.get(base, {})
+    for r in rows.values():
+        for key, out in (
+            ("step_ms_median", "measured_added_ms"),
+            ("cpu_ms_median", "cpu_added_ms"),
+            ("cpu_ms_min", "cpu_added_ms_min"),  # noise from other jobs only slows
+        ):
+            if key in r and key in ref:
+                r[out] = r[key] - ref[key]
+        pred, meas = r.get("predicted_added_ms"), r.get("cpu_added_ms", r.get("measured_added_ms"))
+        if pred is not None and meas:
+            r["predicted_over_measured_added"] = pred / meas
+
+
+def vs_best_fitting(rows: dict[str, Any]) -> None:
+    """Each Adacc strategy's tokens/s over the best baseline (a strategy not solved per budget)
+    that fits the budget, from the same run: ``ratio_vs_best_fitting`` and which one it was."""
+    fitting = {
+        n: r["tokens_per_s"]
+        for n, r in rows.items()
+        if not REGISTRY[n].budgeted and r.get("fits") and r.get("tokens_per_s", 0) > 0
+    }
+    if not fitting:
+        return
+    best = max(fitting, key=fitting.__getitem__)
+    for n, r in rows.items():
+        if REGISTRY[n].budgeted and "tokens_per_s" in r:
+            r["best_fitting_baseline"] = best
+            r["ratio_vs_best_fitting"] = r["tokens_per_s"] / fitting[best]
 
 
 def max_batch(run: Run, name: str, budget: int, rules: tuple[str, ...]) -> dict[str, int]:

@@ -96,6 +96,7 @@ def profile_model(
         warmup=warmup,
         reference=reference.groups if reference is not None else None,
         probes=probes if not sharded(base) else None,  # a sharded block gathers across ranks
+        backward=not sharded(base),
     )
     try:
         with autocast_context(device, autocast, cache=False):
@@ -131,6 +132,7 @@ def profile_model(
             full_interior_nbytes=mem.full_interior.get(g.name, 0),
             plain_cast_nbytes=mem.plain_casts.get(g.name, 0),
             dispatch_ms=m.dispatch_ms,
+            calibration=m.calibration,
         )
     blocks_grads = sum(gp.grad_nbytes * gp.num_blocks for gp in gprofs.values())
     nonblock_grads = max(0, _grad_nbytes([base]) - blocks_grads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from ..codecs import Codec, get_codec, has_sentinels, payload_finite, relative_e
 from ..runtime.ops import cache_target, storage_id, tensor_outputs
 from ..runtime.overhead import dispatch_overhead_ms
 from ..runtime.peak import AllocationTracker
-from ..runtime.timing import elapsed_ms, sync, time_call, timer_for
+from ..runtime.timing import elapsed_ms, sync, time_call, timer_for, work_clock
 from ..runtime.trace import record_block
 from ..schema import (
     CodecProfile,
@@ -25,6 +25,7 @@ from ..schema import (
     Variant,
     codec_candidates,
 )
+from .calibrate import calibrate
 from .variants import BlockProbe
 
 
@@ -67,8 +68,8 @@ def profile_codec(
         codec=codec.name,
         params=codec.params(),
         nbytes=enc.nbytes(),
-        encode_ms=time_call(lambda: codec.encode(x), device, repeats),
-        decode_ms=time_call(lambda: codec.decode(enc), device, repeats),
+        encode_ms=time_call(lambda: codec.encode(x), device, repeats, work_clock(device)),
+        decode_ms=time_call(lambda: codec.decode(enc), device, repeats, work_clock(device)),
         rel_error=err,
         n_outliers=int(enc.meta.get("outlier_count", 0)),
         encode_workspace_nbytes=max(0, encode_ws),
@@ -88,6 +89,7 @@ class GroupOps:
     fixed_ms: float  # ops that always rerun (views, in-place, random): their recompute time
     block_fwd_ms: float
     dispatch_ms: float = 0.0  # the runtime's dispatch modes on a block that keeps an op
+    calibration: dict[str, float] = field(default_factory=dict)  # `calibrate.Calibration`
 
 
 def _untimed(func, args, kwargs):
@@ -136,7 +138,9 @@ def scaled(ops: list[OpSpec], outputs: list, outs: set[int], ref: GroupProfile) 
         out.append(prof)
     mean = sum(ratios) / max(1, len(ratios))
     # the dispatch overhead is per op crossing Python, whatever the shape
-    return GroupOps(out, ref.fixed_ms * mean, ref.block_fwd_ms * mean, ref.dispatch_ms)
+    return GroupOps(
+        out, ref.fixed_ms * mean, ref.block_fwd_ms * mean, ref.dispatch_ms, dict(ref.calibration)
+    )
 
 
 def op_visitor(
@@ -149,9 +153,12 @@ def op_visitor(
     warmup: int,
     reference: Mapping[str, GroupProfile] | None = None,
     probes: dict | None = None,
+    backward: bool = True,
 ):
     """A `run_representatives` visitor that times every op of the block `repeats` times (after
-    `warmup` runs) and profiles each candidate codec on the op's real output; with a `reference`
+    `warmup` runs) and profiles each candidate codec on the op's real output, then scales those
+    times to the block's measured forward + backward (`calibrate`; with ``backward=False``, e.g.
+    a sharded block, only the forward's dispatch overhead is measured); with a `reference`
     profile of the same model at another shape, it only traces the block and scales the
     reference's costs (`scaled`), measuring the group anew where the ops differ. `probes`, when
     given, gets each group's block and inputs (`variants.BlockProbe`)."""
@@ -177,6 +184,9 @@ def op_visitor(
             fn(*args)
         runs = []
         for _ in range(repeats):
+            if runs:  # drop the last run's outputs first, as a training step frees its own
+                runs[-1].outputs = []
+            out = None
             out, rec, ops = record_block(adapter, group, block, fn, args, timer=timer)
             runs.append(rec)
         sync(device)
@@ -184,7 +194,7 @@ def op_visitor(
             statistics.median(elapsed_ms(r.recs[i].elapsed) for r in runs) for i in range(len(ops))
         ]
         other = statistics.median(sum(elapsed_ms(e) for e in r.other_ms) for r in runs)
-        block_ms = time_call(lambda: fn(*args), device, max(1, repeats // 2))
+        block_ms = time_call(lambda: fn(*args), device, max(1, repeats // 2), work_clock(device))
         outs = _storages(out)
         op_profiles = []
         for op, ms, raw in zip(ops, fwd, runs[-1].outputs, strict=True):
@@ -209,10 +219,17 @@ def op_visitor(
                         prof.codecs[codec.name] = cp
             op_profiles.append(prof)
         fixed = other + sum(p.fwd_ms for p in op_profiles if not p.cacheable)
-        gp = GroupPolicy(ops=ops, variants=[Variant(len(group.modules), True, {})])
-        d_ms = dispatch_overhead_ms(block, fn, args, gp, device, repeats)
-        measured[group.name] = GroupOps(op_profiles, fixed, block_ms, d_ms)
         del runs
+        if not backward:
+            gp = GroupPolicy(ops=ops, variants=[Variant(len(group.modules), True, {})])
+            d_ms = dispatch_overhead_ms(block, fn, args, gp, device, repeats)
+            measured[group.name] = GroupOps(op_profiles, fixed, block_ms, d_ms)
+            return out
+        cal = calibrate(
+            block, group.paths[0], group.name, fn, args, op_profiles, fixed, device, repeats
+        )
+        op_profiles, fixed = cal.apply(op_profiles, fixed)
+        measured[group.name] = GroupOps(op_profiles, fixed, block_ms, cal.dispatch_ms, asdict(cal))
         return out
 
     return visit

@@ -78,6 +78,9 @@ class GroupProfile:
     # runtime overhead of a checkpointed block that caches any op: every aten op of its forward
     # and recompute crossing the runtime's dispatch modes (measured; 0 in older profiles)
     dispatch_ms: float = 0.0
+    # the profiled block's forward + backward under four action tables and the scales the op
+    # times got from them (`profiler.calibrate.Calibration`; empty in older or sharded profiles)
+    calibration: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,170 @@
+"""A group's op times anchored to what a training step pays: the profiled block's forward +
+backward timed whole under four action tables.
+
+Op times measured one at a time miss what the step adds around them: memory traffic and page
+faults of fresh outputs, OpenMP barriers when another job holds a core, the runtime's dispatch
+modes and checkpoint machinery. So the block that was profiled runs forward + backward, on the
+inputs it got, interleaved (medians, `timing.work_clock`), as
+
+- ``plain``: no checkpointing;
+- ``recompute``: full recomputation (transformers' checkpointing: no dispatch modes);
+- ``keep``: every cacheable op retained (the block's output recomputed, as the solver must);
+- ``compress``: the same, with each op that has a profiled codec compressed by its cheapest one.
+
+The differences are the truth the per-op figures are scaled to (`Calibration.apply`):
+``recompute - plain`` = all recompute (ops + fixed), ``keep - plain`` = the block's output ops'
+recompute + the runtime's overhead on a block that keeps any op (``dispatch_ms``; never below
+the Python work its dispatch modes do on the calling thread, `overhead.dispatch_overhead_ms`,
+which no noise can hide), ``compress - keep`` = the codecs' encode + decode.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..runtime.checkpoint import BlockRuntime
+from ..runtime.overhead import dispatch_overhead_ms
+from ..runtime.timing import sync, work_clock
+from ..schema import Action, GroupPolicy, OpProfile, Variant
+
+#: Scales outside this range are noise (e.g. a block of microseconds), not a measurement.
+SCALE_RANGE = (1 / 8, 8.0)
+
+
+@dataclass
+class Calibration:
+    """Measured added ms per block of each action table over ``plain``, and the scales derived."""
+
+    plain_ms: float
+    recompute_ms: float  # full recomputation - plain
+    keep_ms: float  # keep every cacheable op - plain
+    codec_ms: float  # compress - keep
+    recompute_scale: float = 1.0  # measured / profiled recompute (ops + fixed)
+    codec_scale: float = 1.0  # measured / profiled encode + decode
+    dispatch_ms: float = 0.0
+    profiled: dict[str, float] = field(default_factory=dict)  # the sums before scaling
+
+    def apply(self, ops: list[OpProfile], fixed_ms: float) -> tuple[list[OpProfile], float]:
+        """`ops` with forward and codec times scaled, and the scaled ``fixed_ms``."""
+        r, c = self.recompute_scale, self.codec_scale
+        out = []
+        for op in ops:
+            codecs = {
+                n: replace(cp, encode_ms=cp.encode_ms * c, decode_ms=cp.decode_ms * c)
+                for n, cp in op.codecs.items()
+            }
+            out.append(replace(op, fwd_ms=op.fwd_ms * r, codecs=codecs))
+        return out, fixed_ms * r
+
+
+def _clamp(x: float) -> float:
+    return min(max(x, SCALE_RANGE[0]), SCALE_RANGE[1])
+
+
+def _cheapest(op: OpProfile) -> tuple[str, Any] | None:
+    if not op.codecs:
+        return None
+    name, cp = min(op.codecs.items(), key=lambda kv: kv[1].ms)
+    return name, cp
+
+
+def tables(ops: list[OpProfile]) -> dict[str, Variant | None]:
+    """The four action tables (None: no checkpointing)."""
+    keep, compress = {}, {}
+    for op in ops:
+        if not op.cacheable or op.block_output:
+            continue
+        keep[op.key] = Action.retain()
+        best = _cheapest(op)
+        compress[op.key] = (
+            Action.compress(best[0], **best[1].params) if best is not None else Action.retain()
+        )
+    return {
+        "plain": None,
+        "recompute": Variant(1, True, {}),
+        "keep": Variant(1, True, keep),
+        "compress": Variant(1, True, compress),
+    }
+
+
+def _step_ms(
+    block: nn.Module, fn: Any, args: tuple, runtime: BlockRuntime | None, device: Any
+) -> float:
+    """One forward + backward of the block (gradients of its input and parameters), in ms."""
+    x0 = args[0]
+    x = x0.detach().requires_grad_(bool(getattr(x0, "requires_grad", False)))
+    inputs = [t for t in (x, *block.parameters()) if t.requires_grad]
+    clock = work_clock(device)
+    sync(device)
+    t0 = clock()
+    out = runtime(fn, x, *args[1:]) if runtime is not None else fn(x, *args[1:])
+    y = out[0] if isinstance(out, (tuple, list)) else out
+    torch.autograd.grad(y, inputs, grad_outputs=torch.ones_like(y), allow_unused=True)
+    sync(device)
+    return (clock() - t0) * 1e3
+
+
+def calibrate(
+    block: nn.Module,
+    path: str,
+    group: str,
+    fn: Any,
+    args: tuple,
+    ops: list[OpProfile],
+    fixed_ms: float,
+    device: Any,
+    repeats: int = 5,
+) -> Calibration:
+    """Time the block under the four tables (one warm-up round, then `repeats` interleaved
+    rounds; medians) and derive the scales and the dispatch overhead (module docstring)."""
+    specs = [o.spec() for o in ops]
+    variants = tables(ops)
+    runtimes = {
+        n: BlockRuntime(block, path, group, GroupPolicy(specs, [v]), v, set())
+        if v is not None
+        else None
+        for n, v in variants.items()
+    }
+    times: dict[str, list[float]] = {n: [] for n in variants}
+    cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            for r in range(max(3, repeats) + 1):
+                for n, rt in runtimes.items():
+                    ms = _step_ms(block, fn, args, rt, device)
+                    if r:
+                        times[n].append(ms)
+    finally:
+        for rt in runtimes.values():
+            if rt is not None:
+                rt.remove()
+    med = {n: statistics.median(t) for n, t in times.items()}
+    cal = Calibration(
+        plain_ms=med["plain"],
+        recompute_ms=med["recompute"] - med["plain"],
+        keep_ms=med["keep"] - med["plain"],
+        codec_ms=med["compress"] - med["keep"],
+    )
+    keep, compress = variants["keep"], variants["compress"]
+    assert keep is not None and compress is not None
+    gp_keep = GroupPolicy(specs, [keep])
+    rec = fixed_ms + sum(o.fwd_ms for o in ops if o.cacheable)
+    rerun = fixed_ms + sum(o.fwd_ms for o in ops if o.cacheable and o.key not in keep.actions)
+    codec = sum(
+        o.codecs[a.codec].ms
+        for o in ops
+        if (a := compress.actions.get(o.key)) is not None and a.codec is not None
+    )
+    cal.profiled = {"recompute_ms": rec, "codec_ms": codec}
+    if rec > 0:
+        cal.recompute_scale = _clamp(cal.recompute_ms / rec)
+    if codec > 0:
+        cal.codec_scale = _clamp(cal.codec_ms / codec)
+    floor = dispatch_overhead_ms(block, fn, args, gp_keep, device, repeats)
+    cal.dispatch_ms = max(floor, cal.keep_ms - cal.recompute_scale * rerun)
+    return cal

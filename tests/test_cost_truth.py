@@ -1,0 +1,104 @@
+"""The cost model's added time against what a step under the policy measurably costs.
+
+A codec that is cheap when timed alone but slow inside a training step (here: its decode burns
+``BURN_S`` of CPU time whenever it runs inside backward, as memory traffic and thread barriers do on
+a loaded CPU) must be priced at its in-step cost: the profiler times the profiled block's forward +
+backward with codecs applied (`profiler.calibrate`), so the prediction follows the step, and the
+solver stops choosing a codec that does not pay (it is optimal for the costs it is given:
+`test_solver.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import pytest
+import torch
+
+from adacc_hf import apply_adacc, assets, profile_model
+from adacc_hf.codecs import get_codec
+from adacc_hf.profiler.calibrate import tables
+from adacc_hf.schema import GroupPolicy
+from adacc_hf.solver import budget_between, predict, solve
+
+BURN_S = 0.002
+
+
+def _burn(seconds: float) -> None:
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
+
+
+@pytest.fixture
+def slow_in_backward(monkeypatch):
+    """Every codec's decode burns `BURN_S` when backward runs it (not when timed alone); one torch
+    thread, so the profiler and the truth both time CPU work (`timing.work_clock`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for name in ("int4_outlier", "int4_channel", "int4_asym", "bitpack"):
+        cls = type(get_codec(name))
+        decode = cls.decode
+
+        def slow(self, *args, _decode=decode, **kwargs):
+            if torch._C._current_graph_task_id() != -1:
+                _burn(BURN_S)
+            return _decode(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "decode", slow)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _step_s(model, batch) -> float:
+    t0 = time.thread_time()
+    model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return time.thread_time() - t0
+
+
+def _policy(prof, base, table: str):
+    """`base` (the model's op lists) with every block under one of `calibrate.tables`."""
+    groups = {}
+    for name, g in prof.groups.items():
+        v = tables(g.ops)[table]
+        assert v is not None
+        v.count = g.num_blocks
+        groups[name] = GroupPolicy(base.groups[name].ops, [v], base.groups[name].input_nbytes)
+    return dataclasses.replace(base, groups=groups)
+
+
+def test_predicted_codec_time_follows_the_step_not_the_isolated_codec(slow_in_backward):
+    torch.manual_seed(0)
+    model = assets.tiny_model("llama")
+    batch = assets.tiny_batch("llama", model)
+    prof = profile_model(model, batch, repeats=3)
+    base = solve(prof, budget_between(prof, 0, 0.0)).policy
+    keep, compress = _policy(prof, base, "keep"), _policy(prof, base, "compress")
+    n_decodes = sum(
+        a.kind == "compress"
+        for g in compress.groups.values()
+        for v in g.variants
+        for _ in range(v.count)
+        for a in v.actions.values()
+    )
+    assert n_decodes > 0
+    predicted = (predict(prof, compress).added_ms - predict(prof, keep).added_ms) / 1e3
+
+    # truth: whole training steps under each policy, interleaved, medians
+    times: dict[str, list[float]] = {"keep": [], "compress": []}
+    for r in range(6):
+        for name, pol in (("keep", keep), ("compress", compress)):
+            handle = apply_adacc(model, pol)
+            try:
+                t = _step_s(model, batch)
+            finally:
+                handle.remove()
+            if r:
+                times[name].append(t)
+    measured = statistics.median(times["compress"]) - statistics.median(times["keep"])
+    assert measured > 0.8 * n_decodes * BURN_S  # the burn is real in the step
+    # ignoring the in-step cost would predict the isolated codec time (<< the burn)
+    assert abs(predicted - measured) < 0.25 * measured, (predicted, measured)
