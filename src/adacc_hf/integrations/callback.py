@@ -20,18 +20,42 @@ from .sharding import sharding_from_trainer
 
 logger = logging.getLogger("adacc_hf")
 
-__all__ = ["AdaccCallback", "longest_sequence", "run_config"]
+__all__ = ["AdaccCallback", "flattens_batches", "longest_sequence", "run_config"]
 
 
 #: Datasets up to this many rows are scanned for their longest ``input_ids`` (cheap: lengths only).
 SCAN_ROWS = 100_000
 
 
+def flattens_batches(args: Any, collator: Any = None) -> bool:
+    """Whether the run's batches are padding-free: the micro-batch's rows flattened into one row of
+    all their tokens (TRL's ``padding_free`` and BFD packing, `DataCollatorWithFlattening`)."""
+    if getattr(collator, "padding_free", False):
+        return True
+    if type(collator).__name__ == "DataCollatorWithFlattening":
+        return True
+    if getattr(args, "padding_free", False):
+        return True
+    return bool(getattr(args, "packing", False)) and getattr(args, "packing_strategy", None) in (
+        "bfd",
+        "bfd_split",
+    )
+
+
 def longest_sequence(args: Any, collator: Any = None, dataset: Any = None) -> int | None:
     """The run's longest batch length, where the run says it: TRL's ``max_length`` /
-    ``max_seq_length``, a collator padding to ``max_length``, or the longest ``input_ids`` of a
-    (pre-tokenised, not too large) training dataset. None when nothing says it (each new length
-    is then planned when it first comes)."""
+    ``max_seq_length`` (with packing: the packed rows' length), a collator padding to
+    ``max_length``, or the longest ``input_ids`` of a (pre-tokenised, not too large) training
+    dataset. Padding-free batches are one row of the micro-batch's tokens: up to
+    ``per_device_train_batch_size`` times that. None when nothing says it (each new length is then
+    planned when it first comes)."""
+    n = _longest_row(args, collator, dataset)
+    if n is not None and flattens_batches(args, collator):
+        n *= max(1, int(getattr(args, "per_device_train_batch_size", 1) or 1))
+    return n
+
+
+def _longest_row(args: Any, collator: Any, dataset: Any) -> int | None:
     for name in ("max_length", "max_seq_length"):
         n = getattr(args, name, None)
         if isinstance(n, int) and n > 0:
@@ -99,6 +123,14 @@ class AdaccCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
+        if getattr(args, "activation_checkpointing", False) or getattr(
+            args, "gradient_checkpointing", False
+        ):
+            raise AdaccError(
+                "adacc replaces activation checkpointing, but the run's arguments turn it on "
+                "(TRL's SFTConfig does by default): pass gradient_checkpointing=False "
+                "(activation_checkpointing=False on transformers >= 5.23)"
+            )
         base = unwrap_model(model)
         owner = base.__dict__.get("_adacc_session")
         if owner is not None and owner is not self.session:

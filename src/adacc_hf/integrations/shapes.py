@@ -9,6 +9,14 @@ takes another path with padding than without (other ops), so the two get separat
 is planned at its edge, on the run's own batch padded up to it (pad tokens, labels -100, the
 attention mask extended with 0 when the batch has padding and with 1 when it has none), so every
 batch of the bucket holds no more than what was profiled.
+
+Padding-free batches (TRL's ``padding_free`` / BFD packing, `DataCollatorWithFlattening`) are one
+row of all the micro-batch's tokens, ``[1, total_tokens]``, with ``position_ids`` restarting at 0
+at each sequence and no attention mask: their bucket is (1, total tokens bucketed), and they count
+as masked when they hold more than one sequence (transformers then builds a block-diagonal mask
+from the position ids). Their padding is one more sequence (positions 0, 1, ...; the varlen
+boundaries ``cu_seq_lens_*``, ``max_length_*`` and ``seq_idx`` extended to match); a single
+sequence is padded by continuing its positions, so it stays one sequence.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ PAD_VALUES = {
 }
 
 ShapeKey = tuple[int, ...]
+#: Padding-free varlen boundaries (TRL's collator): sequence starts and the longest sequence.
+CU_SEQ_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
+MAX_LENGTH_KEYS = ("max_length_q", "max_length_k")
 
 
 def bucket_edge(length: int, max_length: int | None = None) -> int:
@@ -66,15 +77,35 @@ def has_padding(batch: Mapping[str, Any]) -> bool:
     return any(not bool(m.all()) for m in masks)
 
 
+def is_packed(batch: Mapping[str, Any]) -> bool:
+    """Whether `batch` packs several sequences into a row without an attention mask (padding-free):
+    its ``position_ids`` restart somewhere, as transformers' mask preparation detects (a device
+    sync, as it does)."""
+    pos = batch.get("position_ids")
+    if not isinstance(pos, torch.Tensor) or pos.dim() < 2 or pos.shape[-1] < 2:
+        return False
+    if any(isinstance(batch.get(k), torch.Tensor) for k in MASK_KEYS):
+        return False  # a mask is given: transformers reads it, not the positions
+    return bool((pos[..., 1:] - pos[..., :-1] != 1).any())
+
+
 def shape_key(
     batch: Mapping[str, Any], encoder_decoder: bool, max_length: int | None = None
 ) -> ShapeKey:
-    """(micro-batch size, bucketed length[, bucketed decoder length], padded?) of `batch`."""
+    """(micro-batch size, bucketed length[, bucketed decoder length], masked?) of `batch`; masked:
+    a padded position, or several sequences packed into a row."""
     size, enc, dec = _lengths(batch, encoder_decoder)
     key = (size, bucket_edge(enc, max_length))
     if encoder_decoder:
         key = (*key, bucket_edge(dec, max_length))
-    return (*key, int(has_padding(batch)))
+    return (*key, int(has_padding(batch) or is_packed(batch)))
+
+
+def _positions_fill(v: torch.Tensor, n: int, masked: bool) -> torch.Tensor:
+    """`n` more position ids for each row of `v`: a new sequence (0, 1, ...) in a masked bucket,
+    else the row's own positions continued (one sequence stays one sequence)."""
+    steps = torch.arange(n, device=v.device, dtype=v.dtype).expand(v.shape[0], n)
+    return steps if masked else v[:, -1:] + 1 + steps
 
 
 def padded(batch: Mapping[str, Any], key: ShapeKey, pad_token_id: int | None) -> dict[str, Any]:
@@ -93,12 +124,36 @@ def padded(batch: Mapping[str, Any], key: ShapeKey, pad_token_id: int | None) ->
         if k in MASK_KEYS and not masked:
             pad_value = 1  # the batch attends everywhere: so does its profile
         if v.shape[1] < target:
-            fill = v.new_full((v.shape[0], target - v.shape[1], *v.shape[2:]), pad_value)
+            n = target - v.shape[1]
+            if k == "position_ids" and v.dim() == 2:
+                fill = _positions_fill(v, n, masked)
+            elif k == "seq_idx" and v.dim() == 2:  # padding-free: the padding's own sequence
+                fill = (v[:, -1:] + int(masked)).expand(v.shape[0], n)
+            else:
+                fill = v.new_full((v.shape[0], n, *v.shape[2:]), pad_value)
             v = torch.cat([v, fill], dim=1)
         if v.shape[0] < size:
             v = torch.cat([v, v[-1:].expand(size - v.shape[0], *v.shape[1:])], dim=0)
         out[k] = v
+    _pad_boundaries(batch, out, length, masked)
     return out
+
+
+def _pad_boundaries(
+    batch: Mapping[str, Any], out: dict[str, Any], length: int, masked: bool
+) -> None:
+    """Padding-free varlen boundaries of `out` (one row padded to `length`): the padding is one
+    more sequence in a masked bucket, else the last sequence grows."""
+    for k in CU_SEQ_KEYS:
+        cu = batch.get(k)
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or not len(cu) or cu[-1] >= length:
+            continue
+        end = cu.new_tensor([length])
+        out[k] = torch.cat([cu, end]) if masked else torch.cat([cu[:-1], end])
+        longest = int((out[k][1:] - out[k][:-1]).max())
+        for m in MAX_LENGTH_KEYS:
+            if isinstance(batch.get(m), int) and m[-1] == k[-1]:
+                out[m] = max(batch[m], longest)
 
 
 def key_text(key: ShapeKey) -> str:

@@ -40,6 +40,16 @@ _LOGIT_TRANSFORMS = (
 )
 
 
+def _forward_replaced(base: nn.Module) -> bool:
+    """Someone (TRL's fused LM head, Liger, Unsloth) replaced `base.forward` on the instance;
+    Accelerate's mixed-precision wrapper (which keeps the class's own as ``_original_forward``)
+    does not count."""
+    if "forward" not in base.__dict__:
+        return False
+    original = base.__dict__.get("_original_forward")
+    return original is None or getattr(original, "__func__", None) is not type(base).forward
+
+
 def _is_causal_lm(base: nn.Module) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -59,6 +69,8 @@ def chunked_head_problem(model: nn.Module) -> str | None:
         return f"its output embedding is not an nn.Linear ({kind})"
     if "labels" not in inspect.signature(base.forward).parameters:
         return "its forward takes no labels"
+    if _forward_replaced(base):
+        return "its forward is replaced on the instance (e.g. TRL's fused LM head), which owns the head"
     if not _is_causal_lm(base):
         # `loss_function` defaults to ForCausalLMLoss on every model, even those (T5, BERT) whose
         # forward computes another loss itself.

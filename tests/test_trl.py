@@ -1,0 +1,233 @@
+"""TRL's `SFTTrainer` with `AdaccCallback`: dynamic padding and padding-free (BFD-packed) batches
+train a tiny LLaMA under a budget; every bucket gets a plan and its measured step peak fits.
+
+Offline: a word-level tokenizer built here, a tiny random-init model, text rows of set lengths.
+TRL 1.16 patches the model's forward with its own chunked LM head (``fused_lm_head=True``); the
+session profiles the forward the trainer runs, so its budgets here come from that forward too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from adacc_hf import (  # noqa: E402
+    AdaccError,
+    apply_adacc,
+    assets,
+    estimate_static_memory,
+    measure_step_peak,
+)
+from adacc_hf.integrations.callback import AdaccCallback, longest_sequence  # noqa: E402
+from adacc_hf.integrations.shapes import is_packed, padded, shape_key  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(250)]
+#: Row lengths in words (the tokenizer adds EOS): two length buckets (32, 64) with padding.
+LENGTHS = [63, 30, 60, 25, 28, 62, 20, 57]
+#: What TRL 1.16's SFTTrainer adds to every training forward (its own chunked LM head).
+#: Wide enough that block activations weigh against TRL's LM-head buffer ([tokens, 32768] fp32).
+MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4}
+TRL_KWARGS = {"fused_lm_head": True, "use_cache": False}
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny model's 256 ids: 0 pad, 1 bos, 2 eos, 3 unk."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        bos_token="<s>",
+        unk_token="<unk>",
+    )
+
+
+def texts(n: int = 32, seed: int = 0) -> datasets.Dataset:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, len(WORDS), (LENGTHS[i % len(LENGTHS)],), generator=g).tolist()
+        rows.append(" ".join(WORDS[j] for j in ids))
+    return datasets.Dataset.from_dict({"text": rows})
+
+
+def sft_config(tmp_path, **kw) -> trl.SFTConfig:
+    no_ckpt = (
+        {"activation_checkpointing": False}
+        if "activation_checkpointing" in {f.name for f in dataclasses.fields(trl.SFTConfig)}
+        else {"gradient_checkpointing": False}
+    )
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        max_length=64,
+        **no_ckpt,
+    )
+    defaults.update(kw)
+    return trl.SFTConfig(**defaults)
+
+
+def amp(args) -> torch.dtype | None:
+    """The run's autocast: SFTConfig turns bf16 on by default (on CPU too)."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+
+
+def budget_for(model, trainer, key) -> int:
+    """30 % of the way from HF full checkpointing's step peak to no checkpointing's, both
+    measured on the run's longest bucket `key` with the forward SFTTrainer runs (its LM head, its
+    autocast), plus the optimizer's states and step (the run's optimizer does not exist yet)."""
+    args = trainer.args
+    sample = {**padded(next(iter(trainer.get_train_dataloader())), key, 0), **TRL_KWARGS}
+    on = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.23
+    off = getattr(model, "activation_checkpointing_disable", None)
+    on, off = on or model.gradient_checkpointing_enable, off or model.gradient_checkpointing_disable
+    on()
+    peaks = [measure_step_peak(model, sample, autocast=amp(args)).peak_nbytes]
+    off()
+    peaks.append(measure_step_peak(model, sample, autocast=amp(args)).peak_nbytes)
+    model.zero_grad(set_to_none=True)
+    mp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp(args))
+    static = estimate_static_memory(model, optimizer=str(args.optim.value), mixed_precision=mp)
+    return int(peaks[0] + 0.3 * (peaks[1] - peaks[0])) + static.optimizer + static.optimizer_step
+
+
+def train_and_check(tmp_path, caplog, key_of_longest, **config):
+    """Train with Adacc under a budget; check loss, plans, warnings and each bucket's peak."""
+    model = assets.tiny_model("llama", seed=0, **MODEL)
+    args = sft_config(tmp_path, **config)
+    callback = AdaccCallback(budget="1GiB")  # budget replaced below, before training
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=texts(),
+        processing_class=tokenizer(),
+        callbacks=[callback],
+    )
+    budget = budget_for(model, trainer, key_of_longest)
+    callback.config = dataclasses.replace(callback.config, budget=budget)
+    seen: list[tuple] = []
+    batches: dict[tuple, dict] = {}
+
+    def record(module, a, kwargs):
+        if module.training and "labels" in kwargs:
+            key = shape_key(kwargs, False, callback.session.config.max_seq_len)
+            seen.append(key)
+            batches.setdefault(key, {k: v for k, v in kwargs.items()})
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    with caplog.at_level(logging.WARNING, logger="adacc_hf"):
+        trainer.train()
+    hook.remove()
+    session = callback.session
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == args.max_steps and all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] != losses[0], losses
+    assert not session.handle.problems, session.handle.problems[:3]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text[:2000]
+    assert seen and set(seen) <= set(session.plans), (seen, list(session.plans))
+    assert key_of_longest in session.plans  # planned before the first step
+    assert all(p.policy is not None and p.policy.groups for p in session.plans.values())
+    model.train()
+    for key, batch in batches.items():  # each bucket's step, at its edge, with the run's AdamW
+        with apply_adacc(model, session.plans[key].policy):
+            peak = measure_step_peak(
+                model, padded(batch, key, 0), trainer.optimizer, autocast=amp(args)
+            )
+        assert peak.peak_nbytes <= budget, (key, peak.peak_nbytes, budget)
+    return trainer, session, seen
+
+
+def test_sft_trainer_with_dynamic_padding_trains_within_budget(tmp_path, caplog):
+    """Dynamic padding (TRL's collator pads each batch to its longest row): the longest bucket
+    (TRL's max_length) is planned before the first step, each length bucket when it comes."""
+    _, session, seen = train_and_check(tmp_path, caplog, (2, 64, 1))
+    assert session.config.max_seq_len == 64
+    assert all(k[0] == 2 for k in seen)
+
+
+def test_sft_trainer_padding_free_packing_trains_within_budget(tmp_path, caplog):
+    """BFD packing (padding-free: each batch is one row [1, total tokens] with position ids
+    restarting per sequence, block-diagonal SDPA mask on CPU): the longest batch is
+    per_device_train_batch_size x max_length tokens and is planned before the first step."""
+    trainer, session, seen = train_and_check(tmp_path, caplog, (1, 128, 1), packing=True)
+    assert trainer.padding_free
+    assert session.config.max_seq_len == 2 * 64
+    assert seen and all(k[0] == 1 and k[-1] == 1 for k in seen), seen
+
+
+def test_padding_free_batches_bucket_and_pad_as_packed_sequences():
+    """A padding-free batch counts as masked when it packs several sequences; padded to its
+    bucket's edge, the padding is one more sequence and the varlen boundaries follow. A single
+    sequence stays one sequence (its positions continue)."""
+    collate = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(
+        pad_token_id=0, padding_free=True
+    )
+    two = collate([{"input_ids": list(range(4, 14))}, {"input_ids": list(range(4, 24))}])
+    assert two["input_ids"].shape == (1, 30) and "attention_mask" not in two
+    key = shape_key(two, False)
+    assert key == (1, 32, 1)
+    out = padded(two, key, 0)
+    assert out["position_ids"][0, 30:].tolist() == [0, 1]
+    assert out["cu_seq_lens_q"].tolist() == [0, 10, 30, 32]
+    assert out["max_length_q"] == out["max_length_k"] == 20
+    assert out["seq_idx"][0, 30:].tolist() == [2, 2]
+    assert out["labels"][0, 30:].tolist() == [-100, -100]
+    assert shape_key(out, False) == key
+
+    one = collate([{"input_ids": list(range(4, 34))}])
+    assert not is_packed(one) and shape_key(one, False) == (1, 32, 0)
+    out = padded(one, (1, 40, 0), 0)
+    assert out["position_ids"][0].tolist() == list(range(40)) and not is_packed(out)
+    assert out["cu_seq_lens_k"].tolist() == [0, 40] and out["max_length_k"] == 40
+    assert out["seq_idx"][0].tolist() == [0] * 40
+
+
+def test_longest_sequence_of_padding_free_runs(tmp_path):
+    """Padding-free batches hold up to per_device_train_batch_size rows' tokens."""
+    plain = sft_config(tmp_path, per_device_train_batch_size=3, max_length=64)
+    packed = sft_config(tmp_path, per_device_train_batch_size=3, packing=True, max_length=64)
+    wrapped = sft_config(
+        tmp_path, per_device_train_batch_size=3, packing=True, packing_strategy="wrapped"
+    )
+    free = sft_config(tmp_path, per_device_train_batch_size=3, padding_free=True, max_length=None)
+    rows = datasets.Dataset.from_dict({"input_ids": [[1] * 10, [1] * 50]})
+    assert longest_sequence(plain) == 64
+    assert longest_sequence(packed) == 3 * 64
+    assert longest_sequence(wrapped) == 64  # fixed rows of max_length, not flattened
+    assert longest_sequence(free, None, rows) == 3 * 50
+
+
+def test_sft_configs_default_checkpointing_is_refused_with_a_clear_error(tmp_path):
+    """SFTConfig turns gradient checkpointing on by default; Adacc replaces it."""
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "out"), max_steps=1, report_to="none", use_cpu=True
+    )
+    trainer = trl.SFTTrainer(
+        model=assets.tiny_model("llama", seed=0),
+        args=args,
+        train_dataset=texts(4),
+        processing_class=tokenizer(),
+        callbacks=[AdaccCallback(budget="1GiB")],
+    )
+    with pytest.raises(AdaccError, match="gradient_checkpointing=False"):
+        trainer.train()
