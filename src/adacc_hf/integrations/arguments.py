@@ -86,7 +86,7 @@ class AdaccTrainingArguments(TrainingArguments):
         ),
     )
     adacc_head: str = field(
-        default="auto",
+        default="full",
         metadata=_help(
             "How a causal LM's head and loss run: 'full' (the model's own logits), 'chunked' "
             "(the loss chunk by chunk: the [tokens x vocab] logits never exist and training "

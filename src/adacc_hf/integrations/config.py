@@ -30,8 +30,9 @@ class AdaccConfig:
     solver_time_limit: float = 10.0
     max_codec_error: float = 0.5
     split_blocks: bool = True
-    # A causal LM's head and loss: "full", "chunked" (`runtime.head`) or "auto" (the solver's pick)
-    head: str = "auto"
+    # A causal LM's head and loss: "full" (the default: logits returned as always), "chunked"
+    # (`runtime.head`: no logits in training forwards with labels) or "auto" (the solver's pick)
+    head: str = "full"
     optimizer: str = "adamw_torch"
     mixed_precision: str | None = None  # "bf16" / "fp16": forwards autocast to it
     gradient_accumulation_steps: int = 1

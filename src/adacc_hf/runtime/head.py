@@ -77,7 +77,11 @@ def chunked_head_problem(model: nn.Module) -> str | None:
         return f"{type(base).__name__} is not a causal LM (transformers' causal-LM auto classes)"
     from transformers.loss.loss_utils import LOSS_MAPPING
 
-    if base.loss_function is not LOSS_MAPPING["ForCausalLM"]:
+    loss = base.loss_function
+    owner = getattr(loss, "__self__", None)
+    if isinstance(owner, HeadPatch):  # our own patch is on: judge the model's loss under it
+        loss = owner._hf_loss
+    if loss is not LOSS_MAPPING["ForCausalLM"]:
         return "its loss is not transformers' ForCausalLMLoss"
     config = getattr(base, "config", None)
     for name in _LOGIT_TRANSFORMS:
