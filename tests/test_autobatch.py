@@ -44,7 +44,10 @@ def _check(model, sample, choice, budget, opt, measured):
             assert least > budget, (choice.message(), least, budget)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize(
+    "family",
+    ["gpt2", pytest.param("llama", marks=pytest.mark.slow)],  # llama: make test-all
+)
 def test_auto_micro_batch_fits_and_the_next_larger_does_not_or_is_slower(family, caplog):
     model = assets.tiny_model(family)
     sample = assets.tiny_batch(family, model, batch_size=GLOBAL, seq_len=48)

@@ -24,7 +24,10 @@ def _hf_full_peak(model, batch, opt) -> int:
         (disable or model.gradient_checkpointing_disable)()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize(
+    "family",
+    ["gpt2", pytest.param("llama", marks=pytest.mark.slow)],  # llama: make test-all
+)
 def test_adacc_fits_where_full_checkpointing_fits(family):
     model = assets.tiny_model(family)
     batch = assets.tiny_batch(family, model, batch_size=4, seq_len=48)

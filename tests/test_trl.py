@@ -165,6 +165,7 @@ def test_sft_trainer_with_dynamic_padding_trains_within_budget(tmp_path, caplog)
     assert all(k[0] == 2 for k in seen)
 
 
+@pytest.mark.slow  # ~50 s: the packed bucket is the longest (make test-all runs it)
 def test_sft_trainer_padding_free_packing_trains_within_budget(tmp_path, caplog):
     """BFD packing (padding-free: each batch is one row [1, total tokens] with position ids
     restarting per sequence, block-diagonal SDPA mask on CPU): the longest batch is
