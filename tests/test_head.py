@@ -227,3 +227,13 @@ def test_auto_head_fits_a_budget_only_the_chunked_head_fits_and_the_step_measure
     peak = measure_step_peak(model, batch, torch.optim.SGD(model.parameters(), lr=0.0))
     session.close()
     assert peak.peak_nbytes <= budget, (peak.peak_nbytes, budget)
+
+
+def test_profiling_draws_no_random_numbers_the_run_would_see():
+    """The profile (the head's measurement included) runs dropout in train mode: the run's random
+    stream must stay that of a run without Adacc (DeepSpeed's lossless comparison caught this)."""
+    model = assets.tiny_model("llama")
+    batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=16)
+    state = torch.random.get_rng_state()
+    profile_model(model, batch, repeats=1)
+    assert torch.equal(torch.random.get_rng_state(), state)

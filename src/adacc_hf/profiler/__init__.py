@@ -21,7 +21,7 @@ from torch import nn
 from .._version import __version__
 from ..adapters import get_adapter, unwrap_model
 from ..runtime.peak import storage_nbytes
-from ..runtime.trace import autocast_context, run_representatives
+from ..runtime.trace import autocast_context, devices_of, run_representatives
 from ..schema import GroupProfile, Profile
 from .head import measure_heads
 from .memory import StepMemory, measure, sharded
@@ -98,14 +98,17 @@ def profile_model(
         probes=probes if not sharded(base) else None,  # a sharded block gathers across ranks
         backward=not sharded(base),
     )
+    # Profiling draws no random numbers the run would see: its dropout masks stay those of a run
+    # without Adacc.
     try:
-        with autocast_context(device, autocast, cache=False):
-            run_representatives(base, sample_batch, visit)
-        groups = adapter.block_groups(base)
-        specs = {g.name: [o.spec() for o in measured[g.name].ops] for g in groups}
-        mem = measure(base, dict(sample_batch), groups, specs, autocast)
-        # each way of running the LM head and loss (a sharded head gathers across ranks)
-        heads = {} if sharded(base) else measure_heads(base, dict(sample_batch), autocast)
+        with torch.random.fork_rng(devices=devices_of(base)):
+            with autocast_context(device, autocast, cache=False):
+                run_representatives(base, sample_batch, visit)
+            groups = adapter.block_groups(base)
+            specs = {g.name: [o.spec() for o in measured[g.name].ops] for g in groups}
+            mem = measure(base, dict(sample_batch), groups, specs, autocast)
+            # each way of running the LM head and loss (a sharded head gathers across ranks)
+            heads = {} if sharded(base) else measure_heads(base, dict(sample_batch), autocast)
     finally:
         if active is not None:
             handle.set_policy(active)
