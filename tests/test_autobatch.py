@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from batch_rows import Rows
 
 from adacc_hf import apply_adacc, assets, measure_step_peak, prepare
 from adacc_hf.integrations.autobatch import choose_micro_batch, rows
@@ -86,17 +87,6 @@ def test_auto_micro_batch_fits_and_the_next_larger_does_not_or_is_slower(family,
     _check(model, sample, other, loose, opt, measured)
 
 
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, batch):
-        self.rows = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["input_ids"]))]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-
 def test_adacc_trainer_picks_the_micro_batch_and_keeps_the_global_batch(tmp_path):
     from transformers import Trainer
 
@@ -125,7 +115,7 @@ def test_adacc_trainer_picks_the_micro_batch_and_keeps_the_global_batch(tmp_path
             **kw,
         )
 
-    trainer = AdaccTrainer(model=model, args=args(), train_dataset=_Rows(sample))
+    trainer = AdaccTrainer(model=model, args=args(), train_dataset=Rows(sample, repeat=1))
     trainer.train()
     a = trainer.args
     assert a.per_device_train_batch_size < GLOBAL
@@ -134,4 +124,6 @@ def test_adacc_trainer_picks_the_micro_batch_and_keeps_the_global_batch(tmp_path
     assert logged and logged[0]["adacc/micro_batch"] == a.per_device_train_batch_size
     # A plain Trainer builds its data loader before any callback runs: a clear error.
     with pytest.raises(AdaccError, match="AdaccTrainer"):
-        Trainer(model=assets.tiny_model("gpt2"), args=args(), train_dataset=_Rows(sample)).train()
+        Trainer(
+            model=assets.tiny_model("gpt2"), args=args(), train_dataset=Rows(sample, repeat=1)
+        ).train()

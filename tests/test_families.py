@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from batch_rows import Rows
 from conftest import grad_rel_error, random_policy, step
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, TrainingArguments
@@ -213,20 +214,6 @@ def test_measured_activation_memory_is_within_5_percent_of_the_prediction(fam, r
     assert solved["peak_nbytes"] <= budget
 
 
-class _Rows(torch.utils.data.Dataset):
-    """The rows of one batch: every step trains on them (in some order), so the padding pattern
-    the policy was solved for holds (a batch with other padding runs other mask ops)."""
-
-    def __init__(self, batch):
-        self.rows = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["input_ids"]))]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-
 def test_profile_solve_and_three_trainer_steps_run(fam, tmp_path, caplog):
     family, model, batch = fam
     budget, _ = _mixed_budget(model, _profile(family))
@@ -243,7 +230,9 @@ def test_profile_solve_and_three_trainer_steps_run(fam, tmp_path, caplog):
         seed=0,
         dataloader_num_workers=0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=_Rows(batch), callbacks=[callback])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Rows(batch, repeat=1), callbacks=[callback]
+    )
     with caplog.at_level("WARNING", logger="adacc_hf"):
         trainer.train()
     assert not [r for r in caplog.records if "not in the policy" in r.getMessage()]

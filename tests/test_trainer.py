@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from batch_rows import Rows
 from transformers import HfArgumentParser, Trainer
 
 from adacc_hf import (
@@ -23,20 +24,6 @@ from adacc_hf import (
 )
 from adacc_hf.integrations.trainer import POLICY_FILE, AdaccCallback, run_config
 from adacc_hf.solver import budget_between
-
-
-class Rows(torch.utils.data.Dataset):
-    """The rows of one tiny batch, repeated: loss falls fast on it."""
-
-    def __init__(self, batch, repeat=8):
-        self.rows = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["input_ids"]))]
-        self.repeat = repeat
-
-    def __len__(self):
-        return len(self.rows) * self.repeat
-
-    def __getitem__(self, i):
-        return self.rows[i % len(self.rows)]
 
 
 def mixed_budget(model, batch, fraction=0.4, optimizer="adamw_torch_fused", **kw) -> int:

@@ -9,7 +9,7 @@ from transformers import TrainingArguments
 
 from ..errors import AdaccError, PolicyError
 from ..policy import Policy
-from .callback import AdaccCallback
+from .callback import AdaccCallback, checkpointing_on
 from .config import AdaccConfig
 
 __all__ = ["INTEGRATION", "AdaccTrainingArguments"]
@@ -119,9 +119,7 @@ class AdaccTrainingArguments(TrainingArguments):
         super().__post_init__()
         if not self.adacc:
             return
-        if getattr(self, "activation_checkpointing", False) or getattr(
-            self, "gradient_checkpointing", False
-        ):
+        if checkpointing_on(self):
             raise AdaccError(
                 "adacc replaces activation checkpointing: drop --gradient_checkpointing / "
                 "--activation_checkpointing (or set adacc=False)"

@@ -40,7 +40,7 @@ from ..solver.budget import fmt_bytes
 from .config import AdaccConfig, detect_autocast
 from .plans import AdaccEvent
 from .session import AdaccSession
-from .shapes import ShapeKey, padded
+from .shapes import ShapeKey, padded, row_tokens
 
 logger = logging.getLogger("adacc_hf")
 
@@ -122,11 +122,6 @@ def rows(batch: Mapping[str, Any], n: int) -> dict[str, Any]:
     if "labels" in batch and batch["labels"] is batch.get("input_ids"):
         out["labels"] = out["input_ids"]  # one storage, as the run passes it
     return out
-
-
-def key_tokens_per_row(key: ShapeKey) -> int:
-    """Tokens a row of a bucket's batch holds (its sequence lengths)."""
-    return sum(key[1:-1])
 
 
 def _time_step_ms(
@@ -245,7 +240,7 @@ def choose_micro_batch(
         blocks_ms = 3 * sum(g.block_fwd_ms * g.num_blocks for g in profile.groups.values())
         saved = (least_added - added) / max(1e-9, blocks_ms + least_added)
         cand.step_ms = full_ms * (1 - min(max(saved, 0.0), 0.9))
-        cand.tokens_per_s = cand.micro_batch * key_tokens_per_row(key) / cand.step_ms * 1e3
+        cand.tokens_per_s = cand.micro_batch * row_tokens(key) / cand.step_ms * 1e3
     best = max(planned, key=lambda p: p[0].tokens_per_s or 0.0)
     cand, policy, profile, key, _, _ = best
     choice = BatchChoice(

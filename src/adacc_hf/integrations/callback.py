@@ -20,11 +20,26 @@ from .sharding import sharding_from_trainer
 
 logger = logging.getLogger("adacc_hf")
 
-__all__ = ["AdaccCallback", "flattens_batches", "longest_sequence", "run_config"]
+__all__ = [
+    "AdaccCallback",
+    "checkpointing_on",
+    "flattens_batches",
+    "longest_sequence",
+    "run_config",
+]
 
 
 #: Datasets up to this many rows are scanned for their longest ``input_ids`` (cheap: lengths only).
 SCAN_ROWS = 100_000
+
+
+def checkpointing_on(args: Any) -> bool:
+    """Whether the run's arguments turn on transformers' own activation checkpointing (which adacc
+    replaces): ``gradient_checkpointing``, or ``activation_checkpointing`` from transformers 5.23."""
+    return bool(
+        getattr(args, "activation_checkpointing", False)
+        or getattr(args, "gradient_checkpointing", False)
+    )
 
 
 def flattens_batches(args: Any, collator: Any = None) -> bool:
@@ -123,9 +138,7 @@ class AdaccCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
-        if getattr(args, "activation_checkpointing", False) or getattr(
-            args, "gradient_checkpointing", False
-        ):
+        if checkpointing_on(args):
             raise AdaccError(
                 "adacc replaces activation checkpointing, but the run's arguments turn it on "
                 "(TRL's SFTConfig does by default): pass gradient_checkpointing=False "

@@ -162,6 +162,11 @@ def key_text(key: ShapeKey) -> str:
     return text + (", padded" if key[-1] else "")
 
 
+def row_tokens(key: ShapeKey) -> int:
+    """The tokens a row of a bucket's batch holds (the sum of its sequence lengths)."""
+    return sum(key[1:-1])
+
+
 def key_tokens(key: ShapeKey) -> int:
-    """The tokens of a bucket's batch (batch x the sum of its sequence lengths)."""
-    return key[0] * sum(key[1:-1])
+    """The tokens of a bucket's batch (batch x a row's tokens)."""
+    return key[0] * row_tokens(key)

@@ -11,8 +11,6 @@ the model's own.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +19,7 @@ from torch import nn
 
 from ..runtime.head import chunked_causal_lm_loss, chunked_head_problem
 from ..runtime.peak import AllocationTracker
+from ..runtime.timing import time_call
 from ..runtime.trace import autocast_context, model_kwargs, train_mode
 from ..schema import HeadCost
 
@@ -45,11 +44,6 @@ def _losses(base: nn.Module, head: nn.Linear, labels: torch.Tensor) -> dict[str,
         return chunked_causal_lm_loss(head, x, labels)
 
     return {"full": full, "chunked": chunked}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_heads(
@@ -79,20 +73,16 @@ def measure_heads(
                 tracker.mark("forward_end")
                 grads = torch.autograd.grad(loss, [x, *params])
                 del loss, grads
-            times = []
-            for _ in range(repeats):
-                _sync(device)
-                t0 = time.perf_counter()
+
+            def step(fn: Callable = fn, x: torch.Tensor = x) -> None:
                 with autocast_context(device, autocast):
                     loss = fn(x)
                 torch.autograd.grad(loss, [x, *params])
-                del loss
-                _sync(device)
-                times.append((time.perf_counter() - t0) * 1e3)
+
             out[name] = HeadCost(
                 held=max(0, tracker.level("forward_end")),
                 forward_peak=tracker.peak(None, "forward_end"),
                 backward_peak=tracker.peak("forward_end", None),
-                ms=statistics.median(times),
+                ms=time_call(step, device, repeats),
             )
     return out

@@ -18,6 +18,7 @@ loss does not receive ``lm_head``'s own output) with an error instead of a wrong
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any
 
@@ -50,14 +51,22 @@ def _forward_replaced(base: nn.Module) -> bool:
     return original is None or getattr(original, "__func__", None) is not type(base).forward
 
 
-def _is_causal_lm(base: nn.Module) -> bool:
+@functools.cache
+def _causal_lm_classes() -> frozenset[str]:
+    """Class names of transformers' causal-LM auto classes."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     names: set[str] = set()
     for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         names.update([v] if isinstance(v, str) else v)
+    return frozenset(names)
+
+
+def _is_causal_lm(base: nn.Module) -> bool:
     config = getattr(base, "config", None)
-    return type(base).__name__ in names and not getattr(config, "is_encoder_decoder", False)
+    return type(base).__name__ in _causal_lm_classes() and not getattr(
+        config, "is_encoder_decoder", False
+    )
 
 
 def chunked_head_problem(model: nn.Module) -> str | None:
