@@ -37,7 +37,8 @@ from adacc_hf import (
     uniform_policy,
 )
 from adacc_hf.assets import load_smollm2, shakespeare_splits
-from adacc_hf.integrations.shapes import padded
+from adacc_hf.integrations.shapes import key_text, padded
+from adacc_hf.policy.display import describe
 from adacc_hf.solver import budget_between
 
 
@@ -166,8 +167,11 @@ def main() -> None:
     callback = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "session"))
     session = callback.session
     budget_nbytes = session.budget_nbytes
-    print(f"\nAdacc planned {len(session.plans)} bucket(s); the longest one's policy:\n")
     plans = sorted(session.plans.items(), key=lambda kv: kv[0] or ())
+    print(f"\nAdacc planned {len(session.plans)} bucket(s):")
+    for key, plan in plans:
+        print(f"  {key_text(key) if key else 'one shape':>18s}: {describe(plan.policy)}")
+    print("\nthe longest bucket's policy:\n")
     print(plans[-1][1].policy.table())
 
     # Side by side, per planned bucket: one whole step's measured peak and its time.

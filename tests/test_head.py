@@ -237,3 +237,51 @@ def test_profiling_draws_no_random_numbers_the_run_would_see():
     state = torch.random.get_rng_state()
     profile_model(model, batch, repeats=1)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_chunked_head_holds_a_bf16_accumulating_loop_across_new_buckets():
+    """A custom loop under the caller's own ``torch.autocast`` (bf16), gradient accumulation 2 and
+    batches of new lengths: every forward, the first of each bucket included (its policy is
+    installed by the session's pre-hook during that forward), runs the chunked head; each step's
+    measured peak is within the budget and within 5 % of its bucket's prediction. This caught
+    three faults: a head re-installed in the pre-hook was not armed (full logits, or a TypeError
+    from the removed patch's hook), profiles inside the caller's autocast region reused its
+    weight-cast cache (6 % under-predicted), and the head's backward in later micro-batches left
+    out the gradients accumulated so far (2 % under)."""
+    from adacc_hf.solver import budget_between
+
+    model = assets.tiny_model("llama", vocab_size=1000, num_hidden_layers=4)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+
+    def batch(n: int) -> dict:
+        ids = torch.randint(3, 1000, (2, n), generator=g)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    longest = batch(64)
+    static = estimate_static_memory(model, optimizer="adamw_torch", mixed_precision="bf16")
+    prof = profile_model(model, longest, repeats=1, autocast=torch.bfloat16)
+    budget = budget_between(prof, static, 0.3, accumulation=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16)
+    session = prepare(
+        model, budget, optimizer="adamw_torch", adaptive=False, head="chunked",
+        gradient_accumulation_steps=2,
+    )  # fmt: skip
+    try:
+        for n in (16, 64, 32):
+            micro = [batch(n), batch(n)]
+            for b in micro:
+                with amp:
+                    out = model(**b)
+                assert out.logits is None, n  # the chunked head ran: no logits exist
+                (out.loss / 2).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            predicted = session.handle.policy.metadata["predicted"]["peak_nbytes"]
+            peak = measure_step_peak(model, micro, opt, autocast=torch.bfloat16).peak_nbytes
+            assert peak <= budget, (n, peak, budget)
+            assert abs(peak - predicted) <= 0.05 * predicted, (n, peak, predicted)
+        assert len(session.plans) == 3
+    finally:
+        session.close()

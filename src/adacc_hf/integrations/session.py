@@ -306,6 +306,9 @@ class AdaccSession:
                 self.setup(batch)
             else:
                 self.use(self.plan(batch))
+            head = self.handle.head if self.handle is not None else None
+            if head is not None:  # installed in this hook: torch will not call its pre-hook now
+                head.arm(module, kwargs)
 
         self._hook = self.model.register_forward_pre_hook(before_forward, with_kwargs=True)
 

@@ -78,7 +78,7 @@ class AdaccHandle:
             gp = policy.groups[group.name]
             for path, variant in zip(group.paths, gp.block_variants(), strict=True):
                 plan.append((path, gp, variant))
-        if {p for p, _, v in plan if v.checkpoint} == set(self.runtimes):
+        if self.active and {p for p, _, v in plan if v.checkpoint} == set(self.runtimes):
             for path, gp, variant in plan:
                 if variant.checkpoint:
                     self.runtimes[path].set_variant(variant, gp)

@@ -183,7 +183,16 @@ class HeadPatch:
         self.active = True
 
     # -------------------------------------------------------------------------- hooks
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+        # A patch removed while the model's pre-hooks run (a policy switch in the session's own
+        # pre-hook) is still called once, without kwargs: it has nothing to do then.
+        if self.active and kwargs is not None:
+            self.arm(module, kwargs)
+
+    def arm(self, module: nn.Module, kwargs: dict) -> None:
+        """Decide for the forward about to run whether the head is chunked. The pre-hook calls
+        this; a patch installed by another pre-hook of the same forward (which torch does not
+        call then) must be armed by whoever installed it."""
         self._hidden = self._placeholder = None
         self._armed = (
             module.training

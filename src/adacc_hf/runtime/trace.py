@@ -185,14 +185,26 @@ def devices_of(model: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
 
+@contextlib.contextmanager
 def autocast_context(device: torch.device, dtype: torch.dtype | None, cache: bool = True):
-    """``torch.autocast`` to `dtype` on `device`'s type (a no-op context for None).
+    """``torch.autocast`` to `dtype` on `device`'s type (a no-op context for None), with an empty
+    weight-cast cache on entry and exit.
 
     ``cache=False`` when one context runs a block several times (profiling): with the cast cache a
-    weight is cast only the first time, while every real step (and every recompute) casts it."""
+    weight is cast only the first time, while every real step (and every recompute) casts it.
+    Inside a caller's own autocast region (a custom loop that calls `prepare` under
+    ``torch.autocast``) torch clears the cache only when the outermost region exits: without the
+    clearing here, casts cached by one measured forward would be missing from the next one's
+    bytes."""
     if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
+        yield
+        return
+    torch.clear_autocast_cache()
+    try:
+        with torch.autocast(device.type, dtype=dtype, cache_enabled=cache):
+            yield
+    finally:
+        torch.clear_autocast_cache()
 
 
 @contextlib.contextmanager

@@ -229,7 +229,9 @@ def step_peak(
     total = sum(delta)
     loss_peak, head_peak = head_peaks(profile, tl, head)
     moments["forward"] = resident + acc + loss_peak + before
-    moments["head"] = resident + max(0, acc - profile.nonblock_grad_nbytes) + head_peak + total
+    # In a later micro-batch the head's new gradients (in the timeline's head peak, where they
+    # become the gradients) are transients beside every accumulated gradient.
+    moments["head"] = resident + acc + head_peak + total
     for j in range(len(blocks) - 1, -1, -1):
         b, g = blocks[j], groups[j]
         measured = tl.backward_peak[j] - tl.backward_start[j]
