@@ -150,3 +150,18 @@ def test_signatures_are_recorded_by_the_trace_and_survive_json():
     policy = uniform_policy(model, "compress")
     again = Policy.from_json(policy.to_json())
     assert again.groups["block"].ops == policy.groups["block"].ops
+
+
+def test_blocks_measured_alone_under_bf16_match_their_policy(caplog):
+    """The profiler runs the representative block alone (calibration, action-table transients) on
+    its recorded input. Handed in as a leaf that requires grad, that input looked like a parameter
+    to the op keys, so BERT's Q/K/V casts of it (they read the block input) got no key and every
+    region warned that it ran another op than its policy."""
+    from adacc_hf import profile_model
+
+    model = assets.tiny_model("bert", num_hidden_layers=2)
+    model.train()
+    batch = assets.tiny_batch("bert", model, batch_size=4, seq_len=64, seed=1)
+    with caplog.at_level(logging.WARNING, logger="adacc_hf"):
+        profile_model(model, batch, repeats=1, autocast=torch.bfloat16)
+    assert "adacc: block" not in caplog.text, caplog.text[:600]

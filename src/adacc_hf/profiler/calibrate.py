@@ -30,6 +30,7 @@ from torch import nn
 from ..runtime.checkpoint import BlockRuntime
 from ..runtime.overhead import dispatch_overhead_ms
 from ..runtime.timing import sync, work_clock
+from ..runtime.trace import detached_input
 from ..schema import Action, GroupPolicy, OpProfile, Variant
 
 #: Scales outside this range are noise (e.g. a block of microseconds), not a measurement.
@@ -96,13 +97,12 @@ def _step_ms(
     block: nn.Module, fn: Any, args: tuple, runtime: BlockRuntime | None, device: Any
 ) -> float:
     """One forward + backward of the block (gradients of its input and parameters), in ms."""
-    x0 = args[0]
-    x = x0.detach().requires_grad_(bool(getattr(x0, "requires_grad", False)))
+    x, x_in = detached_input(args[0])
     inputs = [t for t in (x, *block.parameters()) if t.requires_grad]
     clock = work_clock(device)
     sync(device)
     t0 = clock()
-    out = runtime(fn, x, *args[1:]) if runtime is not None else fn(x, *args[1:])
+    out = runtime(fn, x_in, *args[1:]) if runtime is not None else fn(x_in, *args[1:])
     y = out[0] if isinstance(out, (tuple, list)) else out
     torch.autograd.grad(y, inputs, grad_outputs=torch.ones_like(y), allow_unused=True)
     sync(device)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..runtime.checkpoint import BlockRuntime
 from ..runtime.peak import AllocationTracker
-from ..runtime.trace import autocast_context
+from ..runtime.trace import autocast_context, detached_input
 from ..schema import GroupPolicy, OpSpec, Profile, Variant, variant_key
 
 FULL_RECOMPUTE = Variant(1, True, {})
@@ -47,8 +47,7 @@ def transients(
 ) -> tuple[int, int]:
     """(forward peak above its start, backward peak above its start) of the block under
     `variant`, gradients of its parameters and input included."""
-    x0 = probe.args[0]
-    x = x0.detach().requires_grad_(bool(getattr(x0, "requires_grad", False)))
+    x, x_in = detached_input(probe.args[0])
     params = [p for p in probe.block.parameters() if p.requires_grad]
     device = x.device
     runtime = (
@@ -63,7 +62,7 @@ def transients(
         with tracker:
             tracker.mark("start")
             with autocast_context(device, autocast):
-                args = (x, *probe.args[1:])
+                args = (x_in, *probe.args[1:])
                 out = runtime(probe.fn, *args) if runtime is not None else probe.fn(*args)
             tracker.mark("forward_end")
             y = _hidden(out)

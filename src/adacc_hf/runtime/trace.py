@@ -207,6 +207,18 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None, cache: boo
         torch.clear_autocast_cache()
 
 
+def detached_input(x0: Any) -> tuple[Any, Any]:
+    """(leaf, what the block gets) for running a block alone on its recorded input `x0`: the
+    gradient is taken with respect to the leaf; the block gets a view of it, as a block's real
+    input is never a leaf. A leaf that requires grad looks like a parameter to autocast's
+    weight-cast cache and to the op keys (`ops.param_cast`): its cast would get no key (seen as
+    BERT's Q/K/V regions, which cast the block input, not matching their policy)."""
+    if not isinstance(x0, torch.Tensor):
+        return x0, x0
+    x = x0.detach().requires_grad_(x0.requires_grad)
+    return x, (x.view_as(x) if x.requires_grad else x)
+
+
 @contextlib.contextmanager
 def train_mode(model: nn.Module):
     """Put `model` in training mode for the block, then restore every module's flag."""
