@@ -14,10 +14,11 @@ step is forward + backward + AdamW step; memory held for backward and the step's
 against no checkpointing when memory suffices; the largest micro-batch that fits; Adacc's MILP
 solve time (median of 5) and profiling time; the policy as a picture.
 
-"Fits" and "peak": on a GPU, ``torch.cuda.max_memory_allocated`` over a whole step, and no
-out-of-memory error; on a CPU, parameters and AdamW states plus the highest sum of live storages
-forward + backward create (`benchmarks.harness.memory`). ``--max-batch-rules peak held`` also
-searches under the looser rule static + activations held after forward <= budget.
+"Fits" and "peak": `adacc_hf.measure_step_peak` over a whole step (forward, backward, AdamW
+step with its states present): the CUDA allocator's peak on a GPU (and no out-of-memory error),
+every live storage on a CPU (`benchmarks.harness.memory`). ``--max-batch-rules peak held`` also
+searches under the looser rule static + activations held after forward <= budget;
+``--max-batch-fractions`` searches the largest micro-batch at more budgets than the main one.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="'peak': step peak <= budget (and no OOM); 'held': static + activations held after "
         "forward <= budget (ignores backward temporaries; searches larger batches: slower)",
     )
+    p.add_argument(
+        "--max-batch-fractions",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also search the largest micro-batch at these budgets (fractions between the least "
+        "and no checkpointing, as --budget-fraction), e.g. 0.1 0.7",
+    )
     p.add_argument("--time-limit", type=float, default=None, help="seconds; skip what is left")
     p.add_argument("--results", default=str(RESULTS))
     p.add_argument("--out", default=None, help="JSON path (default results/throughput-TAG.json)")
@@ -92,10 +101,9 @@ def rules(cuda: bool) -> dict[str, str]:
     return {
         "tokens_per_s": "batch x seq / median step (forward + backward + AdamW) after warm-up",
         "tokens_per_s_best": "batch x seq / fastest step (noise on a shared machine only slows)",
-        "peak_nbytes": "torch.cuda.max_memory_allocated over a step"
-        if cuda
-        else "parameters + AdamW states (estimated) + highest live storage bytes created during "
-        "forward + backward (gradients included)",
+        "peak_nbytes": "adacc_hf.measure_step_peak over a second step (forward, backward, AdamW "
+        "step; optimizer states present): "
+        + ("the CUDA allocator's peak" if cuda else "every live storage tracked on the CPU"),
         "fits": "peak_nbytes <= budget_nbytes (and no OOM)",
         "max_batch.peak": "largest micro-batch whose step peak fits (doubling, then bisection)",
         "max_batch.held": "static + activations held after forward <= budget (if searched)",

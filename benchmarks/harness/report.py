@@ -104,6 +104,17 @@ def throughput_markdown(out: Mapping[str, Any]) -> str:
                 + "; ".join(parts)
                 + " of no checkpointing's tokens/s.",
             ]
+        by_budget = res.get("max_batch_by_budget", {})
+        if len(by_budget) > 1:
+            names = list(next(iter(by_budget.values())))
+            lines += [
+                "",
+                "| budget (MiB) | " + " | ".join(names) + " |",
+                "|---:|" + "---:|" * len(names),
+            ]
+            for b, mbs in sorted(by_budget.items(), key=lambda kv: int(kv[0])):
+                cells = [str(mbs.get(n, {}).get("peak", "-")) for n in names]
+                lines.append(f"| {int(b) / MiB:.0f} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 

@@ -364,7 +364,28 @@ def _max_batches(run: Run, res: dict[str, Any], names: list[str], save: Callable
     if not run.cuda:
         note = "same as hf_full: on a CPU there is no device memory to offload from"
         same["hf_offload"] = ("hf_full", note)
-    res["max_batch"] = mb = {}
+    res["max_batch"] = _max_batches_at(run, res, names, budget, rules, same)
+    # More budgets (``--max-batch-fractions``): fresh measurements, keyed by budget.
+    lo, hi = res["min_budget_nbytes"], res["no_checkpoint_need_nbytes"]
+    by_budget = res["max_batch_by_budget"] = {str(budget): res["max_batch"]}
+    for f in run.args.max_batch_fractions:
+        other = int(lo + f * (hi - lo))
+        run.memo.clear()
+        by_budget[str(other)] = _max_batches_at(run, res, names, other, rules, same)
+        save()
+    res["max_batch_evaluations"] = len(run.memo)
+    save()
+
+
+def _max_batches_at(
+    run: Run,
+    res: dict[str, Any],
+    names: list[str],
+    budget: int,
+    rules: tuple[str, ...],
+    same: dict[str, tuple[str, str]],
+) -> dict[str, Any]:
+    mb: dict[str, Any] = {}
     for n in names:
         if run.deadline.passed():
             res["truncated"] = f"time limit reached in the max-batch search before {n}"
@@ -373,6 +394,9 @@ def _max_batches(run: Run, res: dict[str, Any], names: list[str], save: Callable
             mb[n] = {**mb[same[n][0]], "note": same[n][1]}
             continue
         mb[n] = max_batch(run, n, budget, rules)
-        print(f"[{run.spec.name}] largest micro-batch {n:18s} {mb[n]} ({run.deadline})", flush=True)
-    res["max_batch_evaluations"] = len(run.memo)
-    save()
+        print(
+            f"[{run.spec.name}] budget {budget / MiB:.1f} MiB: largest micro-batch {n:18s} "
+            f"{mb[n]} ({run.deadline})",
+            flush=True,
+        )
+    return mb
