@@ -349,8 +349,12 @@ class AdaccSession:
         self.current.profile = new_profile
 
         def decide() -> Policy:
-            new = self.solve(new_profile)
-            return new if self._should_switch(new_profile, new) else self.policy
+            new, c = self.solve(new_profile), self.config
+            switch = should_switch(
+                new_profile, self.policy, new, self._static(), budget_nbytes=self.budget_nbytes or 0,
+                max_rel_error=c.max_codec_error, accumulation=c.gradient_accumulation_steps,
+            )  # fmt: skip
+            return new if switch else self.policy
 
         new_policy = self.coordinator.share(decide)
         changed = new_policy.fingerprint() != self.policy.fingerprint()
@@ -367,18 +371,6 @@ class AdaccSession:
         event = AdaccEvent(step, "switch", new_policy, msg, metrics(new_policy))
         self.events.append(event)
         return event
-
-    def _should_switch(self, profile: Profile, new: Policy) -> bool:
-        c = self.config
-        return should_switch(
-            profile,
-            self.policy,
-            new,
-            self._static(),
-            budget_nbytes=self.budget_nbytes or 0,
-            max_rel_error=c.max_codec_error,
-            accumulation=c.gradient_accumulation_steps,
-        )
 
     def step_done(self, step: int) -> AdaccEvent | None:
         """For custom loops: call once after each optimizer step."""
