@@ -219,7 +219,6 @@ class AdaccSession:
                 new = measure_variants(profile, probes, variants, self.autocast)
             finally:
                 self._planning = False
-                torch.clear_autocast_cache()
             if not new:
                 break
             policy = self.coordinator.share(lambda: self.solve(profile))
@@ -253,9 +252,6 @@ class AdaccSession:
                 )
         finally:
             self._planning = False
-            # Profiling inside the caller's autocast region filled its weight-cast cache: the
-            # forward that follows must cast (and so run the ops the policy names) as any other.
-            torch.clear_autocast_cache()
 
     def setup(self, batch: Mapping[str, Any]) -> Policy:
         """Plan `batch`'s bucket (and, when ``max_seq_len`` is set, the longest one, so a budget
