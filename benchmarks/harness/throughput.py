@@ -368,12 +368,14 @@ def _max_batches(run: Run, res: dict[str, Any], names: list[str], save: Callable
     # More budgets (``--max-batch-fractions``): fresh measurements, keyed by budget.
     lo, hi = res["min_budget_nbytes"], res["no_checkpoint_need_nbytes"]
     by_budget = res["max_batch_by_budget"] = {str(budget): res["max_batch"]}
+    evaluations = 0
     for f in run.args.max_batch_fractions:
         other = int(lo + f * (hi - lo))
+        evaluations += len(run.memo)
         run.memo.clear()
         by_budget[str(other)] = _max_batches_at(run, res, names, other, rules, same)
         save()
-    res["max_batch_evaluations"] = len(run.memo)
+    res["max_batch_evaluations"] = evaluations + len(run.memo)
     save()
 
 
