@@ -18,7 +18,6 @@ backward). Predicted tokens/s = ``micro_batch * length / step`` (the bucket's le
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import statistics
@@ -34,6 +33,7 @@ from ..errors import AdaccError, BudgetError
 from ..policy import Policy
 from ..runtime import apply_adacc
 from ..runtime.peak import loss_of
+from ..runtime.trace import autocast_context
 from ..schema import Profile
 from ..solver import least_memory_policy
 from ..solver.budget import fmt_bytes
@@ -138,13 +138,8 @@ def _time_step_ms(
         for _ in range(3):
             for p in params:
                 p.grad = None
-            amp = (
-                torch.autocast(device.type, dtype=autocast)
-                if autocast is not None
-                else contextlib.nullcontext()
-            )
             t0 = time.perf_counter()
-            with amp:
+            with autocast_context(device, autocast):
                 loss = loss_of(model(**batch))
             loss.backward()
             if device.type == "cuda":

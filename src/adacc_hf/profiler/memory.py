@@ -25,6 +25,7 @@ are then estimated from the held bytes (see `estimate`).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +160,10 @@ class _Run:
         def peak(a: str, b: str, default: int = 0) -> int:
             return t.peak(a, b) if t.has(a) and t.has(b) else default
 
+        def gap(a: str, b: str) -> int:
+            return t.peak(a, b) if t.has(a) and t.has(b) and t.precedes(a, b) else 0
+
+        pairs = list(itertools.pairwise(paths))
         last_fwd = f"fpost:{paths[-1]}"
         first_bwd = f"start:{self.order[0]}" if self.order else "backward_end"
         end_first = f"end:{paths[0]}" if t.has(f"end:{paths[0]}") else "backward_end"
@@ -174,6 +179,8 @@ class _Run:
             loss_peak=t.peak(last_fwd if t.has(last_fwd) else None, "forward_end"),
             head_peak=t.peak("backward_start", first_bwd),
             tail_peak=t.peak(end_first, "backward_end"),
+            forward_gap=[gap(f"fpost:{p}", f"fpre:{q}") for p, q in pairs],
+            backward_gap=[gap(f"end:{q}", f"start:{p}") for p, q in pairs],
         )
 
     def transient(self, path: str) -> int:

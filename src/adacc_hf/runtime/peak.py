@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .trace import autocast_context
+
 _MARK = "adacc_mark::"
 
 
@@ -162,6 +164,12 @@ class AllocationTracker:
     def has(self, name: str) -> bool:
         return name in self._marks or name in self._mark_times
 
+    def precedes(self, a: str, b: str) -> bool:
+        """Whether mark `a` came before mark `b` (both recorded)."""
+        if self.cuda:
+            return self._marks[a] < self._marks[b]
+        return self._mark_times[a] < self._mark_times[b]
+
 
 def plain_tensors(t: Any) -> list[torch.Tensor]:
     """The plain tensors holding `t`'s data: `t` itself, or the inner tensors of a wrapper
@@ -232,8 +240,9 @@ def measure_step_peak(
 
     `batch` is one micro-batch, or the micro-batches of one optimizer step (gradient accumulation:
     each loss is divided by their number, as the Trainer does). Forward runs under
-    ``torch.autocast(dtype=autocast)`` when given. The outputs are dropped before backward except
-    the loss (as ``Trainer.training_step`` does). With `optimizer`, its ``step()`` and
+    ``torch.autocast(dtype=autocast)`` when given (with an empty weight-cast cache, also inside a
+    caller's own autocast region: `trace.autocast_context`). The outputs are dropped before
+    backward except the loss (as ``Trainer.training_step`` does). With `optimizer`, its ``step()`` and
     ``zero_grad(set_to_none=True)`` run last. Phases: ``forward``, ``backward``, ``optimizer``
     (with several micro-batches: the highest of them).
     """
@@ -247,12 +256,7 @@ def measure_step_peak(
     names: list[tuple[str, str]] = []
     with tracker:
         for i, b in enumerate(batches):
-            amp = (
-                torch.autocast(device.type, dtype=autocast)
-                if autocast is not None
-                else contextlib.nullcontext()
-            )
-            with tracker.phase(f"forward{i}"), amp:
+            with tracker.phase(f"forward{i}"), autocast_context(device, autocast):
                 loss = loss_of(model(**b))
                 if len(batches) > 1:
                     loss = loss / len(batches)

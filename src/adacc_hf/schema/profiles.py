@@ -99,6 +99,11 @@ class Timeline:
     head_peak: int = 0  # the highest from backward's start to the last block's backward
     tail_peak: int = 0  # the highest after the first block's backward (embeddings)
     grads: list[int] = field(default_factory=list)  # gradient bytes alive at backward_start
+    # The highest between block j's forward end and block j+1's start (T5: the encoder's final
+    # norm and the decoder's embeddings), and between block j+1's backward end and block j's start;
+    # 0 where nothing runs between them. Empty in profiles from before they were measured.
+    forward_gap: list[int] = field(default_factory=list)
+    backward_gap: list[int] = field(default_factory=list)
 
 
 @dataclass

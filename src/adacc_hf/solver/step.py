@@ -10,9 +10,11 @@ between blocks, T5's cross-attention) is in those measurements. For any policy t
 what the policy changes, block by block:
 
     forward:j   resident + timeline.forward_start[j] + sum_{i<j} f_i + forward transient_j
+    between:j   resident + timeline.forward_gap[j] + sum_{i<=j} f_i    (T5: encoder to decoder)
     forward     resident + timeline.loss_peak + sum_i f_i + h_f        (final norm, head, loss)
     head        resident + timeline.head_peak + sum_i d_i + h_b        (loss and head backward)
     backward:j  resident + timeline.backward_start[j] + sum_{i<=j} d_i + backward transient_j
+    backward_between:j  resident + timeline.backward_gap[j] + sum_{i<=j} d_i
     tail        resident + timeline.tail_peak                          (embeddings, tied weights)
     optimizer   resident + gradients + the optimizer step's temporaries
 
@@ -226,6 +228,8 @@ def step_peak(
             + _forward_transient(b, g, measured, deltas)
         )
         before += forward_delta[j]
+        if j < len(tl.forward_gap) and tl.forward_gap[j]:
+            moments[f"between:{j}"] = resident + acc + tl.forward_gap[j] + before
     total = sum(delta)
     loss_peak, head_peak = head_peaks(profile, tl, head)
     moments["forward"] = resident + acc + loss_peak + before
@@ -246,6 +250,10 @@ def step_peak(
             + cached_output
             + _backward_transient(b, g, measured, deltas)
         )
+        if j < len(tl.backward_gap) and tl.backward_gap[j]:  # after block j+1's backward
+            moments[f"backward_between:{j}"] = (
+                resident + in_flight + tl.backward_gap[j] + sum(delta[: j + 1])
+            )
     moments["tail"] = resident + max(tl.tail_peak, acc)
     moments["optimizer"] = resident + grads + opt_step
     moment = max(moments, key=moments.__getitem__)
