@@ -29,7 +29,7 @@ memory-demo: setup
 
 # pytest exits 5 when it collected no tests: treat that as a failure.
 test: setup
-	$(PY) -m pytest -q -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(PY) -m pytest -q -m "not slow" --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 test-all: setup
 	$(PY) -m pytest -q
