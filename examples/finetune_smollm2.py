@@ -57,20 +57,22 @@ def pad_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def step_ms(model, batches, policy: Policy, opt, amp, repeats: int) -> float:
-    """Median time of one training step (forward + backward of each micro-batch, no optimizer)."""
-    times = []
-    with apply_adacc(model, policy):
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            for b in batches:
-                with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
-                    loss = model(**b).loss / len(batches)
-                loss.backward()
-            if i:  # the first run warms up
-                times.append((time.perf_counter() - t0) * 1e3)
+def step_ms(model, batches, policies: list[Policy], opt, amp, repeats: int) -> list[float]:
+    """Median time of one training step (forward + backward of each micro-batch, no optimizer)
+    under each policy, the policies interleaved round by round (the first round warms up)."""
+    times: list[list[float]] = [[] for _ in policies]
+    for i in range(repeats + 1):
+        for k, policy in enumerate(policies):
+            with apply_adacc(model, policy):
+                t0 = time.perf_counter()
+                for b in batches:
+                    with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+                        loss = model(**b).loss / len(batches)
+                    loss.backward()
+                if i:
+                    times[k].append((time.perf_counter() - t0) * 1e3)
             opt.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -174,10 +176,14 @@ def main() -> None:
     print("\nthe longest bucket's policy:\n")
     print(plans[-1][1].policy.table())
 
-    # Side by side, per planned bucket: one whole step's measured peak and its time.
+    # Side by side, per planned bucket: one whole step's measured peak and its time, the
+    # strategies' steps interleaved (each bucket is printed as it is measured: under bf16 on a CPU
+    # one takes minutes).
     model.train()
     opt = trainer.optimizer
     rows = []
+    print(f"\n{'bucket':>12s} {'strategy':15s} {'predicted':>10s} {'measured':>10s} "
+          f"{'in budget':>9s} {'step ms':>8s} {'vs full':>8s}", flush=True)  # fmt: skip
     for key, plan in plans:
         if key is None:
             batch = longest
@@ -185,25 +191,26 @@ def main() -> None:
             n = min(key[1], args.seq_len) - (1 if key[-1] else 0)
             batch = padded(pad_collate([{"input_ids": ids[:n]}] * args.batch_size), key, 0)
         micro = [batch] * args.grad_accum
-        full = uniform_policy(model, "recompute", batch)
-        none = uniform_policy(model, "retain", batch)
-        for name, pol in (("adacc", plan.policy), ("full recompute", full), ("none", none)):
-            if name == "none" and key != plans[-1][0]:
-                continue  # no checkpointing: measured at the longest bucket only
+        named = [
+            ("full recompute", uniform_policy(model, "recompute", batch)),
+            ("adacc", plan.policy),
+        ]
+        if key == plans[-1][0]:  # no checkpointing: measured at the longest bucket only
+            named.append(("none", uniform_policy(model, "retain", batch)))
+        peaks = []
+        for _, pol in named:
             with apply_adacc(model, pol):
-                peak = measure_step_peak(model, micro, opt, autocast=amp).peak_nbytes
-            ms = step_ms(model, micro, pol, opt, amp, args.timing_repeats)
+                peaks.append(measure_step_peak(model, micro, opt, autocast=amp).peak_nbytes)
+        times = step_ms(model, micro, [p for _, p in named], opt, amp, args.timing_repeats)
+        shape = "x".join(map(str, key[:-1])) if key else "-"
+        for (name, pol), peak, ms in zip(named, peaks, times, strict=True):
             pred = pol.metadata.get("predicted", {}).get("peak_nbytes")
             rows.append((key, name, pred, peak, ms))
-    print(f"\n{'bucket':>12s} {'strategy':15s} {'predicted':>10s} {'measured':>10s} "
-          f"{'in budget':>9s} {'step ms':>8s} {'vs full':>8s}")  # fmt: skip
-    full_ms = {key: ms for key, name, _, _, ms in rows if name == "full recompute"}
-    for key, name, pred, peak, ms in rows:
-        shape = "x".join(map(str, key[:-1])) if key else "-"
-        print(
-            f"{shape:>12s} {name:15s} {gib(pred) if pred else '':>10s} {gib(peak):>10s} "
-            f"{'yes' if peak <= budget_nbytes else 'NO':>9s} {ms:8.0f} {full_ms[key] / ms:7.2f}x"
-        )
+            print(
+                f"{shape:>12s} {name:15s} {gib(pred) if pred else '':>10s} {gib(peak):>10s} "
+                f"{'yes' if peak <= budget_nbytes else 'NO':>9s} {ms:8.0f} {times[0] / ms:7.2f}x",
+                flush=True,
+            )
 
     logs = trainer.state.log_history
     losses = [(e["step"], e["loss"]) for e in logs if "loss" in e]
