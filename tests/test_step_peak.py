@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
-from adacc_hf import assets, measure_step_peak, prepare, profile_model
+from adacc_hf import apply_adacc, assets, measure_step_peak, prepare, profile_model
 from adacc_hf.codecs import get_codec, relative_error
 from adacc_hf.errors import BudgetError
 from adacc_hf.runtime.peak import AllocationTracker, live_state_nbytes
@@ -145,8 +145,6 @@ def test_t5_memory_between_encoder_and_decoder_is_in_the_prediction():
     """T5's backward peaks between the decoder's last block and the encoder's (the decoder's
     embeddings, the encoder's final norm), where no block runs: with encoder blocks held whole
     (no checkpointing) that moment was 1.2 % above the predicted step peak."""
-    from adacc_hf import apply_adacc
-
     model = assets.tiny_model("t5", seed=0, num_layers=4, num_decoder_layers=4)
     batch = assets.tiny_batch("t5", model)
     prof = profile_model(model, batch, repeats=1)

@@ -100,8 +100,9 @@ class Timeline:
     tail_peak: int = 0  # the highest after the first block's backward (embeddings)
     grads: list[int] = field(default_factory=list)  # gradient bytes alive at backward_start
     # The highest between block j's forward end and block j+1's start (T5: the encoder's final
-    # norm and the decoder's embeddings), and between block j+1's backward end and block j's start;
-    # 0 where nothing runs between them. Empty in profiles from before they were measured.
+    # norm and the decoder's embeddings; at least the level when block j ends), and between block
+    # j+1's backward end and block j's start (0 where block j's starts first: consecutive blocks of
+    # one stack, whose hooks sit on one tensor). Empty in profiles from before they were measured.
     forward_gap: list[int] = field(default_factory=list)
     backward_gap: list[int] = field(default_factory=list)
 
