@@ -35,6 +35,9 @@ from ..schema import Action, GroupPolicy, OpProfile, Variant
 
 #: Scales outside this range are noise (e.g. a block of microseconds), not a measurement.
 SCALE_RANGE = (1 / 8, 8.0)
+#: Timed rounds at least: each added time is a difference of two noisy ones (a shared 2-core CPU
+#: varies by +-20 % from step to step), so a median of 3 could be off by half.
+MIN_ROUNDS = 5
 
 
 @dataclass
@@ -120,8 +123,9 @@ def calibrate(
     device: Any,
     repeats: int = 5,
 ) -> Calibration:
-    """Time the block under the four tables (one warm-up round, then `repeats` interleaved
-    rounds; medians) and derive the scales and the dispatch overhead (module docstring)."""
+    """Time the block under the four tables (one warm-up round, then at least `MIN_ROUNDS`
+    interleaved rounds; medians of each round's differences) and derive the scales and the
+    dispatch overhead (module docstring)."""
     specs = [o.spec() for o in ops]
     variants = tables(ops)
     runtimes = {
@@ -132,23 +136,30 @@ def calibrate(
     }
     times: dict[str, list[float]] = {n: [] for n in variants}
     cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    names = list(runtimes)
     try:
         with torch.random.fork_rng(devices=cuda):
-            for r in range(max(3, repeats) + 1):
-                for n, rt in runtimes.items():
-                    ms = _step_ms(block, fn, args, rt, device)
+            for r in range(max(MIN_ROUNDS, repeats) + 1):
+                k = r % len(names)  # the order rotates from round to round
+                for n in names[k:] + names[:k]:
+                    ms = _step_ms(block, fn, args, runtimes[n], device)
                     if r:
                         times[n].append(ms)
     finally:
         for rt in runtimes.values():
             if rt is not None:
                 rt.remove()
-    med = {n: statistics.median(t) for n, t in times.items()}
+
+    def added(a: str, b: str) -> float:
+        """Median over rounds of ``a - b`` within each round: a machine whose speed drifts (a
+        shared CPU, a clock boosting) shifts both alike, so the difference of one round holds."""
+        return statistics.median(x - y for x, y in zip(times[a], times[b], strict=True))
+
     cal = Calibration(
-        plain_ms=med["plain"],
-        recompute_ms=med["recompute"] - med["plain"],
-        keep_ms=med["keep"] - med["plain"],
-        codec_ms=med["compress"] - med["keep"],
+        plain_ms=statistics.median(times["plain"]),
+        recompute_ms=added("recompute", "plain"),
+        keep_ms=added("keep", "plain"),
+        codec_ms=added("compress", "keep"),
     )
     keep, compress = variants["keep"], variants["compress"]
     assert keep is not None and compress is not None
