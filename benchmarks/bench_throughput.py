@@ -7,10 +7,12 @@
 Per model (`benchmarks.harness.throughput`): the budget ``lo + f (hi - lo)`` between the smallest
 feasible one and what no checkpointing needs (``--budget-fraction``, default 0.4, so no
 checkpointing does not fit; ``--budget-nbytes`` sets it directly); a batch-size sweep at that
-budget, every strategy timed round-robin (``--rounds`` rounds; in each, per strategy:
-``--warmup`` untimed steps, then ``--steps`` timed ones; the order rotates), tokens/s = batch x
-sequence / median step time, each strategy's ratio to HF full checkpointing from the same run; a
-step is forward + backward + AdamW step; memory held for backward and the step's peak; Adacc
+budget, every strategy timed round-robin (``--rounds`` rounds, each in a new seeded order; in
+each, per strategy: ``--warmup`` untimed steps, then ``--steps`` timed ones), tokens/s = batch x
+sequence / median step time, each strategy's ratio to HF full checkpointing from the same run,
+Adacc's ratio to the best baseline that fits and every added time against its prediction round by
+round, with intervals and verdicts (`harness.stats`); a step is forward + backward + AdamW step;
+memory held for backward and the step's peak; Adacc
 against no checkpointing when memory suffices; the largest micro-batch that fits; Adacc's MILP
 solve time (median of 5) and profiling time; the policy as a picture.
 
@@ -114,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
         with open(args.report) as f:
-            print(report.throughput_markdown(json.load(f)))
+            res = json.load(f)
+        print(report.throughput_markdown(res))
+        print(report.acceptance_markdown(res))
         return 0
     deadline = env.Deadline(args.time_limit)
     device = torch.device(args.device)

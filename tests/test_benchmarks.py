@@ -40,7 +40,7 @@ def test_tiny_cpu_suite_writes_throughput_memory_and_max_batch(tmp_path):
 
     out = tmp_path / "throughput.json"
     argv = ["--preset", "tiny", "--strategies", "none", "hf_full", "naive_int4", "adacc"]
-    argv += ["--rounds", "1", "--steps", "1", "--profile-repeats", "1"]
+    argv += ["--rounds", "2", "--steps", "1", "--profile-repeats", "1"]
     argv += ["--results", str(tmp_path), "--tag", "test", "--out", str(out)]
     assert bench_throughput.main(argv) == 0
     data = json.loads(out.read_text())
@@ -65,6 +65,16 @@ def test_tiny_cpu_suite_writes_throughput_memory_and_max_batch(tmp_path):
             "hf_full",
             "naive_int4",
         }
+        # round by round: intervals around the paired medians, and a verdict on each claim
+        adacc = row["strategies"]["adacc"]
+        lo, hi = adacc["paired_ratio_interval"]
+        assert lo <= adacc["paired_ratio_vs_best_fitting"] <= hi
+        assert adacc["ratio_verdict"] in {"holds", "fails", "undecided"}
+        lo, hi = row["strategies"]["hf_full"]["paired_added_interval"]
+        assert lo <= row["strategies"]["hf_full"]["paired_added_ms"] <= hi
+        assert row["strategies"]["hf_full"]["added_verdict"] in {"holds", "fails", "undecided"}
+        # naive INT4's codec is not in Adacc's profile: no time is predicted for it
+        assert "predicted_added_ms" not in row["strategies"]["naive_int4"]
     # full recomputation holds less than no checkpointing, and fits at least as large a batch
     main = next(r for r in res["sweep"] if r["batch_size"] == res["main_batch"])["strategies"]
     assert main["hf_full"]["held_nbytes"] < main["none"]["held_nbytes"]
@@ -74,6 +84,29 @@ def test_tiny_cpu_suite_writes_throughput_memory_and_max_batch(tmp_path):
     assert _finite(res["ample"]["strategies"]["adacc"]["ratio_vs_none"])
     for png in [*data["plots"], res["policy_png"]]:
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_round_by_round_verdicts_follow_the_interval():
+    from benchmarks.harness import stats
+
+    # a machine twice as slow in every other round: each round's ratio is still exact, so the
+    # interval is a point
+    drift = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
+    rows = {
+        "hf_full": {"fits": True, "step_ms_all": [100.0 * d for d in drift]},
+        "adacc": {"fits": True, "step_ms_all": [90.0 * d for d in drift]},
+    }
+    for r in rows.values():
+        r["tokens_per_s"] = 1e3 / (sum(r["step_ms_all"]) / len(r["step_ms_all"]))
+    stats.vs_best_fitting(rows, steps=1)
+    assert rows["adacc"]["paired_ratio_interval"] == pytest.approx([100 / 90, 100 / 90])
+    assert rows["adacc"]["ratio_verdict"] == "holds"
+    assert stats.verdict(0.90, 0.95, stats.MIN_RATIO) == "fails"
+    assert stats.verdict(0.95, 1.05, stats.MIN_RATIO) == "undecided"
+    assert stats.verdict(0.9, 1.1, 0.85, 1.15) == "holds"
+    assert stats.verdict(1.2, 1.4, 0.85, 1.15) == "fails"
+    assert stats.verdict(float("nan"), float("nan"), 0.85, 1.15) == "undecided"
+    assert stats.per_round([1.0, 3.0, 2.0, 5.0, 7.0, 6.0], steps=3) == [2.0, 6.0]
 
 
 def test_tiny_accuracy_suite_compares_eval_loss_to_baseline(tmp_path):

@@ -52,6 +52,27 @@ def print_rows(name: str, bs: int, rows: Mapping[str, Any], baseline: str = "hf_
             f"({r.get('cpu_added_ms', NAN):.1f})",
             flush=True,
         )
+        if "paired_added_interval" in r or "paired_ratio_interval" in r:
+            print(f"{'':>{len(name) + 30}}round by round: {paired(r)}", flush=True)
+
+
+def paired(r: Mapping[str, Any]) -> str:
+    """A row's per-round comparisons (`harness.stats`): added ms and, for Adacc, the ratio to the
+    best fitting baseline, each with its interval and verdict."""
+    parts = []
+    if "paired_added_interval" in r:
+        lo, hi = r["paired_added_interval"]
+        parts.append(
+            f"added {r['paired_added_ms']:.1f} ms [{lo:.1f}, {hi:.1f}], predicted "
+            f"{r['predicted_added_ms']:.1f}: {r.get('added_verdict', '-')}"
+        )
+    if "paired_ratio_interval" in r:
+        lo, hi = r["paired_ratio_interval"]
+        parts.append(
+            f"vs {r['best_fitting_baseline']} {r['paired_ratio_vs_best_fitting']:.2f}x "
+            f"[{lo:.2f}, {hi:.2f}]: {r.get('ratio_verdict', '-')}"
+        )
+    return "; ".join(parts)
 
 
 def main_row(res: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -116,6 +137,26 @@ def throughput_markdown(out: Mapping[str, Any]) -> str:
                 cells = [str(mbs.get(n, {}).get("peak", "-")) for n in names]
                 lines.append(f"| {int(b) / MiB:.0f} | " + " | ".join(cells) + " |")
         lines.append("")
+    return "\n".join(lines)
+
+
+def acceptance_markdown(out: Mapping[str, Any]) -> str:
+    """Every Adacc row of a throughput JSON (each batch size, and memory sufficing) round by
+    round: its tokens/s over the best baseline that fits and its added time against the
+    prediction, with intervals and verdicts (`harness.stats`)."""
+    lines = [
+        "| model | batch | budget (MiB) | strategy | round by round |",
+        "|---|---:|---:|---|---|",
+    ]
+    for m, res in out["models"].items():
+        rows = [*res.get("sweep", []), *([res["ample"]] if "ample" in res else [])]
+        for row in rows:
+            for n, r in row["strategies"].items():
+                if n.startswith("adacc") and ("paired_ratio_interval" in r):
+                    lines.append(
+                        f"| {m} | {row['batch_size']} | {row['budget_nbytes'] / MiB:.0f} "
+                        f"| {r.get('label', n)} | {paired(r)} |"
+                    )
     return "\n".join(lines)
 
 

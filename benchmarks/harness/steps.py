@@ -8,6 +8,7 @@ step is timed with `adacc_hf.runtime.timing.time_call` (synchronised on CUDA).
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -77,7 +78,7 @@ def time_interleaved(
 ) -> dict[str, list[float]]:
     """Seconds per training step of each strategy, measured round-robin.
 
-    Each round enters every strategy in turn (the order rotates from round to round), runs
+    Each round enters every strategy in turn (in a seeded random order of its own), runs
     `warmup` untimed steps, then `steps` timed ones. Returns every timed step per strategy. A
     strategy whose step raises one of `errors` (out of memory) is dropped from later rounds.
     `cpu`, when given, gets each timed step's process CPU seconds per strategy (on a shared CPU,
@@ -86,9 +87,11 @@ def time_interleaved(
     names = list(strategies)
     times: dict[str, list[float]] = {n: [] for n in names}
     failed: set[str] = set()
-    for r in range(rounds):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
+    order = random.Random(0)
+    for _ in range(rounds):
+        # A fresh order each round: a strategy neither always runs first nor always follows the
+        # same one (what it leaves in the allocator and caches shifts the next one's time).
+        for n in order.sample(names, len(names)):
             s = strategies[n]
             if not s.fits_budget or n in failed:
                 continue

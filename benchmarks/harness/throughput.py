@@ -33,8 +33,9 @@ from .models import ModelSpec
 from .prepared import Prepared
 from .report import MiB, jsonable, main_row, print_rows
 from .search import largest
+from .stats import added_times, vs_best_fitting
 from .steps import median, step_stats, time_interleaved
-from .strategies import MAIN, REGISTRY, build, prepare
+from .strategies import MAIN, build, prepare
 
 
 @dataclass
@@ -126,8 +127,8 @@ def bench_batch(
             rows[n]["cpu_ms_min"] = min(cpu[n]) * 1e3
         rows[n]["info"] = jsonable(ready[n].info)
     add_predictions(run, ready, rows, batch)
-    added_times(rows)
-    vs_best_fitting(rows)
+    added_times(rows, a.steps)
+    vs_best_fitting(rows, a.steps)
     base = rows.get(baseline, {})
     for r in rows.values():
         for key, ratio in (("tokens_per_s", "ratio"), ("tokens_per_s_best", "ratio_best")):
@@ -161,42 +162,10 @@ def add_predictions(
         pred = predict(prof, pol, run.static)
         rows[n]["predicted_held_nbytes"] = pred.held_nbytes
         rows[n]["predicted_peak_nbytes"] = pred.peak_nbytes
-        rows[n]["predicted_added_ms"] = pred.added_ms
-
-
-def added_times(rows: dict[str, Any], base: str = "none") -> None:
-    """Each strategy's measured added time per step over no checkpointing (``base``, from the
-    same interleaved run; CPU: also in process CPU time) beside the cost model's prediction, and
-    their ratio."""
-    ref = rows.get(base, {})
-    for r in rows.values():
-        for key, out in (
-            ("step_ms_median", "measured_added_ms"),
-            ("cpu_ms_median", "cpu_added_ms"),
-            ("cpu_ms_min", "cpu_added_ms_min"),  # noise from other jobs only slows
-        ):
-            if key in r and key in ref:
-                r[out] = r[key] - ref[key]
-        pred, meas = r.get("predicted_added_ms"), r.get("cpu_added_ms", r.get("measured_added_ms"))
-        if pred is not None and meas:
-            r["predicted_over_measured_added"] = pred / meas
-
-
-def vs_best_fitting(rows: dict[str, Any]) -> None:
-    """Each Adacc strategy's tokens/s over the best baseline (a strategy not solved per budget)
-    that fits the budget, from the same run: ``ratio_vs_best_fitting`` and which one it was."""
-    fitting = {
-        n: r["tokens_per_s"]
-        for n, r in rows.items()
-        if not REGISTRY[n].budgeted and r.get("fits") and r.get("tokens_per_s", 0) > 0
-    }
-    if not fitting:
-        return
-    best = max(fitting, key=fitting.__getitem__)
-    for n, r in rows.items():
-        if REGISTRY[n].budgeted and "tokens_per_s" in r:
-            r["best_fitting_baseline"] = best
-            r["ratio_vs_best_fitting"] = r["tokens_per_s"] / fitting[best]
+        if pred.unprofiled:  # codecs the profile sized but never timed: no time to predict
+            rows[n]["unprofiled_codec_ops"] = len(pred.unprofiled)
+        else:
+            rows[n]["predicted_added_ms"] = pred.added_ms
 
 
 def max_batch(run: Run, name: str, budget: int, rules: tuple[str, ...]) -> dict[str, int]:
