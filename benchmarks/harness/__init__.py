@@ -15,6 +15,7 @@ What runs:
     synthetic       synthetic block profiles for the solver benchmark
 How it is measured:
     steps           one training step; steps timed round-robin across strategies, medians
+    stats           comparisons round by round: bootstrap intervals, holds / fails / undecided
     memory          activations held, a step's peak (CPU: live storages; CUDA: the allocator)
     search          the largest micro-batch that fits (doubling, then bisection)
     throughput      one model's throughput suite (budget, batch sweep, ample memory, max batch)

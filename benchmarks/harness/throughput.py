@@ -4,7 +4,9 @@
    smallest budget any policy fits in and what no checkpointing needs (`adacc.budget_range`).
 2. Batch-size sweep at that budget: per batch size, every strategy's memory (`memory.step_memory`)
    and its step time, round-robin (`steps.time_interleaved`); ratios to HF full checkpointing from
-   the same run; the cost model's prediction beside the measurement.
+   the same run; the cost model's prediction beside the measurement; Adacc against the best
+   baseline that fits and every prediction against its measurement round by round, with
+   intervals and verdicts (`stats`).
 3. Memory suffices: at a budget above no checkpointing's need, Adacc against no checkpointing.
 4. The largest micro-batch that fits the budget, per strategy (`search.largest`).
 
