@@ -152,7 +152,7 @@ def acceptance_markdown(out: Mapping[str, Any]) -> str:
         rows = [*res.get("sweep", []), *([res["ample"]] if "ample" in res else [])]
         for row in rows:
             for n, r in row["strategies"].items():
-                if n.startswith("adacc") and ("paired_ratio_interval" in r):
+                if "paired_ratio_interval" in r:  # set on budgeted (Adacc) strategies only
                     lines.append(
                         f"| {m} | {row['batch_size']} | {row['budget_nbytes'] / MiB:.0f} "
                         f"| {r.get('label', n)} | {paired(r)} |"
