@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default 1 on CPU)")
     p.add_argument("--skip-max-batch", action="store_true")
+    p.add_argument(
+        "--system-allocator",
+        action="store_true",
+        help="CPU: leave glibc malloc as it is (default: keep freed memory, as CUDA's allocator "
+        "does; harness.env.cache_freed_memory)",
+    )
     p.add_argument(
         "--max-batch-rules",
         nargs="+",
@@ -123,12 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     deadline = env.Deadline(args.time_limit)
     device = torch.device(args.device)
     env.set_threads(device, args.threads)
+    allocator = env.cache_freed_memory(device, not args.system_allocator)
     check_names(args.strategies)
     specs = find_specs(args.preset, args.models)
     Path(args.results).mkdir(parents=True, exist_ok=True)
     skip = ("results", "out", "report")
     out: dict[str, Any] = {
         **env.header("throughput", argv, device),
+        "allocator": allocator,
         "settings": {k: v for k, v in vars(args).items() if k not in skip},
         "rules": rules(device.type == "cuda"),
         "models": {},
@@ -137,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         out["wall_s"] = deadline.elapsed()
         out["load_average_now"] = os.getloadavg()  # other jobs on the machine (1, 5, 15 min)
+        out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         report.write_json(args.out, out)
 
     for spec in specs:
