@@ -147,6 +147,20 @@ def test_round_by_round_verdicts_follow_the_interval():
     assert stats.verdict(1.2, 1.4, 0.85, 1.15) == "fails"
     assert stats.verdict(float("nan"), float("nan"), 0.85, 1.15) == "undecided"
     assert stats.per_round([1.0, 3.0, 2.0, 5.0, 7.0, 6.0], steps=3) == [2.0, 6.0]
+    # added time against its prediction, per round against no checkpointing
+    rows = {
+        "none": {"step_ms_all": [100.0, 200.0, 100.0, 200.0]},
+        "hf_full": {"step_ms_all": [150.0, 260.0, 155.0, 255.0], "predicted_added_ms": 55.0},
+        "slow": {"step_ms_all": [200.0, 300.0, 200.0, 300.0], "predicted_added_ms": 50.0},
+        "plain": {"step_ms_all": [101.0, 201.0, 101.0, 201.0], "predicted_added_ms": 0.0},
+    }
+    stats.added_times(rows, steps=1)
+    assert rows["hf_full"]["paired_added_ms"] == 55.0  # rounds add 50, 60, 55, 55
+    lo, hi = rows["hf_full"]["paired_added_interval"]
+    assert 50.0 <= lo <= 55.0 <= hi <= 60.0
+    assert rows["hf_full"]["added_verdict"] == "holds"
+    assert rows["slow"]["added_verdict"] == "fails"
+    assert rows["plain"]["added_verdict"] == "none predicted"
 
 
 def test_tiny_accuracy_suite_compares_eval_loss_to_baseline(tmp_path):

@@ -11,7 +11,7 @@ against another's in the same round) and its uncertainty is a bootstrap over rou
   budget (`vs_best_fitting`), and per round with its interval; claim: >= `MIN_RATIO`.
 - ``measured_added_ms``: a strategy's step time over no checkpointing's, and per round with its
   interval; ``predicted_over_measured_added``: the cost model's added time over it; claim: within
-  `ADDED_TOLERANCE`.
+  `ADDED_TOLERANCE` (no verdict for a plan predicted to add nothing: ``none predicted``).
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ def added_times(rows: dict[str, Any], steps: int, base: str = "none") -> None:
         lo, hi = bootstrap(paired)
         r["paired_added_ms"] = statistics.median(paired)
         r["paired_added_interval"] = [lo, hi]
-        if lo > 0:  # pred / measured over the interval: [pred / hi, pred / lo]
+        if pred <= 0:  # a plan that checkpoints nothing: its ratio to no checkpointing tells
+            r["added_verdict"] = "none predicted"
+        elif lo > 0:  # pred / measured over the interval: [pred / hi, pred / lo]
             r["added_verdict"] = verdict(
                 pred / hi, pred / lo, 1 - ADDED_TOLERANCE, 1 + ADDED_TOLERANCE
             )
