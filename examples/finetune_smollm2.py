@@ -59,10 +59,13 @@ def pad_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 def step_ms(model, batches, policies: list[Policy], opt, amp, repeats: int) -> list[float]:
     """Median time of one training step (forward + backward of each micro-batch, no optimizer)
-    under each policy, the policies interleaved round by round (the first round warms up)."""
+    under each policy, the policies interleaved round by round (the first round warms up), each
+    round starting with the next policy, so none always follows the same one."""
     times: list[list[float]] = [[] for _ in policies]
     for i in range(repeats + 1):
-        for k, policy in enumerate(policies):
+        for j in range(len(policies)):
+            k = (i + j) % len(policies)
+            policy = policies[k]
             with apply_adacc(model, policy):
                 t0 = time.perf_counter()
                 for b in batches:
