@@ -61,11 +61,12 @@ def cache_freed_memory(device: torch.device, enabled: bool = True) -> str:
 
     Otherwise a step pays a page fault (~1.8 us on this VM) per 4 KiB the allocator gets anew
     from the OS, and how much that is depends on what earlier steps freed: on a 4-block LLaMA at
-    batch 4 (the CPU suite's llama-cpu) the no-checkpointing step faulted 32.8k, 37.3k or 39.7k
-    times and full recomputation's 16.4k, 40.8k or 24.6k times in three processes, moving the
-    ~90 ms between them that the cost model predicts by -6 to +30 ms. With the memory kept: none once the heap
-    has settled (within the warm-up steps). The process keeps its largest heap (``max_rss_mib`` in
-    the results); memory figures are unaffected (they track live storages, not the heap)."""
+    batch 4 (the CPU suite's llama-cpu) the no-checkpointing step faulted 39.7k and 37.3k times
+    and full recomputation's 24.6k and 40.8k times in two processes, shrinking the ~90 ms
+    between them that the cost model predicts by 27 ms in one and growing it by 6 ms in the
+    other. With the memory kept: no faults once the heap has settled (within the warm-up steps).
+    The process keeps its largest heap (``max_rss_mib`` in the results); memory figures are
+    unaffected (they track live storages, not the heap)."""
     if device.type == "cuda":
         return "CUDA caching allocator"
     if not enabled:
