@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from adacc_hf import assets, estimate_static_memory, profile_model
-from adacc_hf.evolution import TrackingSchedule
+from adacc_hf.evolution import OutlierTracker, TrackingSchedule
 from adacc_hf.integrations.config import AdaccConfig
 from adacc_hf.integrations.session import AdaccSession
 from adacc_hf.integrations.shapes import shape_key
-from adacc_hf.solver import budget_between
+from adacc_hf.solver import budget_between, solve
 
 
 def test_tracking_steps_back_off_exponentially_and_reset_on_change():
@@ -129,4 +129,50 @@ def test_adaptive_off_never_tracks_or_switches():
     events = _train(model, batch, session)
     assert events == [] and session.schedule.history == []
     assert session.policy.fingerprint() == first.fingerprint()
+    session.close()
+
+
+def test_tracking_measures_only_codecs_the_solver_could_choose():
+    """A codec no faster than recomputing its op is never chosen (by the solver, at any budget,
+    even encoding to one byte with no error), so tracking does not pay to measure it; a tracking
+    step with every codec that slow measures nothing."""
+    model = assets.tiny_model("llama", seed=0, num_hidden_layers=2)
+    batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=32)
+    prof = profile_model(model, batch, codecs=["int4_naive"], repeats=1)
+    slow = set()
+    for g in prof.groups.values():
+        g.dispatch_ms = 0.0
+        coded = [op for op in g.ops if op.codecs and op.cacheable and op.fwd_ms > 0]
+        assert len(coded) >= 4
+        for i, op in enumerate(coded):
+            for c in op.codecs.values():  # the best case for compressing: tiny and exact
+                c.nbytes, c.rel_error = 1, 0.0
+                c.encode_ms, c.decode_ms = (op.fwd_ms, 0.0) if i % 2 else (0.0, 0.0)
+            if i % 2:
+                slow.add((g.name, op.key))
+    tracked = set(OutlierTracker(prof).codecs)
+    assert tracked and not tracked & slow
+    chosen = set()
+    for fraction in (0.0, 0.2, 0.5, 0.8):
+        policy = solve(prof, budget_between(prof, 0, fraction)).policy
+        for name, gp in policy.groups.items():
+            for v in gp.variants:
+                chosen |= {(name, k) for k, a in v.actions.items() if a.kind == "compress"}
+    assert chosen and chosen <= tracked  # the fast codecs are chosen, the slow ones never
+
+    for g in prof.groups.values():  # now every codec is slower than its op's recompute
+        for op in g.ops:
+            for c in op.codecs.values():
+                c.encode_ms = op.fwd_ms + 1.0
+    static = estimate_static_memory(model, optimizer="sgd")
+    budget = budget_between(prof, static, 0.5)
+    cfg = AdaccConfig(budget=budget, codecs=["int4_naive"], optimizer="sgd", head="full")
+    session = AdaccSession(model, cfg, profiles={shape_key(batch, False): prof})
+    session.setup(batch)
+    session.on_step_begin(1)
+    tracker = session._tracker
+    assert tracker is not None and not tracker.codecs
+    model(**batch).loss.backward()
+    assert tracker.samples == {}
+    assert session.on_step_end(1).kind == "track"
     session.close()

@@ -24,6 +24,7 @@ from .policy import Policy
 from .runtime.ops import cache_target
 from .schema import Profile
 from .solver import StaticMemory, predict
+from .solver.cost_model import codec_can_pay
 
 
 @dataclass
@@ -72,7 +73,10 @@ class _Sample:
 
 
 class OutlierTracker:
-    """Collects each profiled codec's encoded size and error on live activations of one forward.
+    """Collects each profiled codec's encoded size and error on live activations of one forward:
+    the codecs the solver could choose for their op under some size and error
+    (`solver.cost_model.codec_can_pay`); a codec slower than recomputing its op is not measured,
+    as nothing it measures could make it chosen.
 
     At most `max_samples` per op and codec are kept (a custom loop that never calls
     ``session.step_done`` then stops paying for tracking once enough is measured)."""
@@ -83,10 +87,10 @@ class OutlierTracker:
         self.masks: set[tuple[str, str]] = set()
         for g in profile.groups.values():
             for op in g.ops:
-                if op.codecs:
-                    self.codecs[(g.name, op.key)] = [
-                        get_codec(c.codec, **c.params) for c in op.codecs.values()
-                    ]
+                # a codec slower than recomputing its op is never chosen, whatever it measures
+                useful = [c for c in op.codecs.values() if codec_can_pay(op, c)]
+                if useful:
+                    self.codecs[(g.name, op.key)] = [get_codec(c.codec, **c.params) for c in useful]
                     if op.mask:
                         self.masks.add((g.name, op.key))
         self._samples: dict[tuple[str, str, str], list[_Sample]] = defaultdict(list)
