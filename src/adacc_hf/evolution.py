@@ -2,9 +2,9 @@
 
 Outlier statistics move early in training and settle later, so tracking follows an exponential
 backoff: tracking steps 1, 2, 4, 8, ... apart, up to `max_interval` (reset to 1 when the policy
-changes). On a tracking step the runtime hands every op that has a profiled codec to an
-`OutlierTracker` during that step's normal forward (no extra forward): the codec's encoded size and
-error are measured on the live activation of every checkpointed block. The errors and outlier
+changes). On a tracking step the runtime hands every op that has a profiled codec the solver could
+choose to an `OutlierTracker` during that step's normal forward (no extra forward): the codec's
+encoded size and error are measured on the live activation of every checkpointed block. The errors and outlier
 counts stay on the device until the step is over and are read in one transfer (the training step
 itself never waits for the device). `apply` folds the means into a copy of the `Profile`, which
 the solver turns into the next policy.
