@@ -102,10 +102,10 @@ def step():  # a forward's activations (1, 4, 12, 32 MiB) held, then freed
     del held
 
 
-for _ in range(5):  # the heap settles within 3 steps
+for _ in range(10):
     step()
 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+for _ in range(20):
     step()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 """
@@ -113,17 +113,19 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_cached_cpu_allocator_leaves_steps_without_page_faults():
-    """With freed memory kept, steps after the first take no page faults; with glibc's default
-    they take thousands (the 32 MiB tensors are mmap'd and given back at free: 8192 faults each
-    when not reused)."""
+    """With freed memory kept, the heap only grows: steps fault only while small allocations
+    between the tensors still push it up (measured here: at most one 32 MiB tensor's 8192 faults
+    over steps 10-29, in 60 runs; CI once saw 1024 in steps 5-9). With glibc's default every step
+    faults (the 32 MiB tensors are mmap'd and given back at free: 8192 faults each)."""
     import subprocess
 
     def faults(mode: str) -> int:
         run = [sys.executable, "-c", _FAULTS, mode, str(REPO)]
         return int(subprocess.run(run, check=True, capture_output=True, text=True).stdout)
 
-    assert faults("default") > 5 * 8192  # at least one 32 MiB tensor a step
-    assert faults("cached") < 1000
+    default, cached = faults("default"), faults("cached")
+    assert default > 20 * 8192  # at least one 32 MiB tensor a step
+    assert cached < default / 20, (cached, default)
 
 
 def test_round_by_round_verdicts_follow_the_interval():
