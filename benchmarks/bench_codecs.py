@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # appended, not prepended: our kernels/ dir must not shadow HF's `kernels` package
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 CHANNELS = 4096
 DEFAULT_CODECS = ["int4_outlier", "int4_channel", "int4_asym", "int4_naive", "bitpack", "fp8_e4m3"]

@@ -23,7 +23,8 @@ import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # appended, not prepended: our kernels/ dir must not shadow HF's `kernels` package
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from adacc_hf.runtime.timing import cpu_timer
 from adacc_hf.schema import Profile

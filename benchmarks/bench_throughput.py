@@ -38,7 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # appended, not prepended: our kernels/ dir must not shadow HF's `kernels` package
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import env, report
 from benchmarks.harness.models import PRESETS, find_specs

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # appended, not prepended: our kernels/ dir must not shadow HF's `kernels` package
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PART_LIMIT_S = 540  # each part stops starting new work after this; 60 s left for plots and exit

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # appended, not prepended: our kernels/ dir must not shadow HF's `kernels` package
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from adacc_hf import Policy
 from benchmarks.harness.policy_picture import draw_policy
