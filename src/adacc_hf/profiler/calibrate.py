@@ -30,11 +30,15 @@ from torch import nn
 from ..runtime.checkpoint import BlockRuntime
 from ..runtime.overhead import dispatch_overhead_ms
 from ..runtime.timing import sync, work_clock
-from ..runtime.trace import detached_input
+from ..runtime.trace import autocast_context, detached_input
 from ..schema import Action, GroupPolicy, OpProfile, Variant
 
-#: Scales outside this range are noise (e.g. a block of microseconds), not a measurement.
+#: Scales outside this range are noise (e.g. a block of microseconds), not a measurement, unless
+#: every round measured the added time above zero (`_scale`); then up to `RESOLVED_RANGE` (a codec
+#: that costs 12x its isolated time inside a step was seen on a fast CPU: clamped to 8x, the
+#: prediction fell 40 % short).
 SCALE_RANGE = (1 / 8, 8.0)
+RESOLVED_RANGE = (1 / 64, 64.0)
 #: Timed rounds at least: each added time is a difference of two noisy ones (a shared 2-core CPU
 #: varies by +-20 % from step to step), so a median of 3 could be off by half.
 MIN_ROUNDS = 5
@@ -66,8 +70,12 @@ class Calibration:
         return out, fixed_ms * r
 
 
-def _clamp(x: float) -> float:
-    return min(max(x, SCALE_RANGE[0]), SCALE_RANGE[1])
+def _scale(times: dict[str, list[float]], a: str, b: str, profiled: float) -> float:
+    """Measured ``a - b`` (`added_ms`) over the `profiled` sum, bounded by `RESOLVED_RANGE` when
+    every round's difference is positive, else by `SCALE_RANGE`."""
+    resolved = all(x > y for x, y in zip(times[a], times[b], strict=True))
+    lo, hi = RESOLVED_RANGE if resolved else SCALE_RANGE
+    return min(max(added_ms(times, a, b) / profiled, lo), hi)
 
 
 def _cheapest(op: OpProfile) -> tuple[str, Any] | None:
@@ -97,19 +105,57 @@ def tables(ops: list[OpProfile]) -> dict[str, Variant | None]:
 
 
 def _step_ms(
-    block: nn.Module, fn: Any, args: tuple, runtime: BlockRuntime | None, device: Any
+    block: nn.Module,
+    fn: Any,
+    args: tuple,
+    runtime: BlockRuntime | None,
+    device: Any,
+    autocast: torch.dtype | None = None,
 ) -> float:
-    """One forward + backward of the block (gradients of its input and parameters), in ms."""
+    """One forward (autocast to `autocast`, if given) + backward of the block (gradients of its
+    input and parameters), in ms."""
     x, x_in = detached_input(args[0])
     inputs = [t for t in (x, *block.parameters()) if t.requires_grad]
     clock = work_clock(device)
     sync(device)
     t0 = clock()
-    out = runtime(fn, x_in, *args[1:]) if runtime is not None else fn(x_in, *args[1:])
+    with autocast_context(torch.device(device), autocast):
+        out = runtime(fn, x_in, *args[1:]) if runtime is not None else fn(x_in, *args[1:])
     y = out[0] if isinstance(out, (tuple, list)) else out
     torch.autograd.grad(y, inputs, grad_outputs=torch.ones_like(y), allow_unused=True)
     sync(device)
     return (clock() - t0) * 1e3
+
+
+def interleaved_ms(
+    block: nn.Module,
+    fn: Any,
+    args: tuple,
+    runtimes: dict[str, BlockRuntime | None],
+    device: Any,
+    rounds: int,
+    autocast: torch.dtype | None = None,
+) -> dict[str, list[float]]:
+    """Forward + backward ms of the block under each runtime (None: plain): one warm-up round
+    (slot tables are built there), then `rounds` rounds, the order rotating from round to round,
+    the generator state restored afterwards."""
+    times: dict[str, list[float]] = {n: [] for n in runtimes}
+    cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    names = list(runtimes)
+    with torch.random.fork_rng(devices=cuda):
+        for r in range(rounds + 1):
+            k = r % len(names)
+            for n in names[k:] + names[:k]:
+                ms = _step_ms(block, fn, args, runtimes[n], device, autocast)
+                if r:
+                    times[n].append(ms)
+    return times
+
+
+def added_ms(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of ``a - b`` within each round: a machine whose speed drifts (a shared
+    CPU, a clock boosting) shifts both alike, so the difference of one round holds."""
+    return statistics.median(x - y for x, y in zip(times[a], times[b], strict=True))
 
 
 def calibrate(
@@ -123,8 +169,8 @@ def calibrate(
     device: Any,
     repeats: int = 5,
 ) -> Calibration:
-    """Time the block under the four tables (one warm-up round, then at least `MIN_ROUNDS`
-    interleaved rounds; medians of each round's differences) and derive the scales and the
+    """Time the block under the four tables (`interleaved_ms`, at least `MIN_ROUNDS` rounds;
+    medians of each round's differences) and derive the scales and the
     dispatch overhead (module docstring)."""
     specs = [o.spec() for o in ops]
     variants = tables(ops)
@@ -134,32 +180,17 @@ def calibrate(
         else None
         for n, v in variants.items()
     }
-    times: dict[str, list[float]] = {n: [] for n in variants}
-    cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
-    names = list(runtimes)
     try:
-        with torch.random.fork_rng(devices=cuda):
-            for r in range(max(MIN_ROUNDS, repeats) + 1):
-                k = r % len(names)  # the order rotates from round to round
-                for n in names[k:] + names[:k]:
-                    ms = _step_ms(block, fn, args, runtimes[n], device)
-                    if r:
-                        times[n].append(ms)
+        times = interleaved_ms(block, fn, args, runtimes, device, max(MIN_ROUNDS, repeats))
     finally:
         for rt in runtimes.values():
             if rt is not None:
                 rt.remove()
-
-    def added(a: str, b: str) -> float:
-        """Median over rounds of ``a - b`` within each round: a machine whose speed drifts (a
-        shared CPU, a clock boosting) shifts both alike, so the difference of one round holds."""
-        return statistics.median(x - y for x, y in zip(times[a], times[b], strict=True))
-
     cal = Calibration(
         plain_ms=statistics.median(times["plain"]),
-        recompute_ms=added("recompute", "plain"),
-        keep_ms=added("keep", "plain"),
-        codec_ms=added("compress", "keep"),
+        recompute_ms=added_ms(times, "recompute", "plain"),
+        keep_ms=added_ms(times, "keep", "plain"),
+        codec_ms=added_ms(times, "compress", "keep"),
     )
     keep, compress = variants["keep"], variants["compress"]
     assert keep is not None and compress is not None
@@ -173,9 +204,9 @@ def calibrate(
     )
     cal.profiled = {"recompute_ms": rec, "codec_ms": codec}
     if rec > 0:
-        cal.recompute_scale = _clamp(cal.recompute_ms / rec)
+        cal.recompute_scale = _scale(times, "recompute", "plain", rec)
     if codec > 0:
-        cal.codec_scale = _clamp(cal.codec_ms / codec)
+        cal.codec_scale = _scale(times, "compress", "keep", codec)
     floor = dispatch_overhead_ms(block, fn, args, gp_keep, device, repeats)
     cal.dispatch_ms = max(floor, cal.keep_ms - cal.recompute_scale * rerun)
     return cal
