@@ -117,6 +117,10 @@ def rules(cuda: bool) -> dict[str, str]:
         "fits": "peak_nbytes <= budget_nbytes (and no OOM)",
         "max_batch.peak": "largest micro-batch whose step peak fits (doubling, then bisection)",
         "max_batch.held": "static + activations held after forward <= budget (if searched)",
+        "predicted_added_ms": "the cost model's added time over no checkpointing; Adacc's: the "
+        "time of each action table its policy runs, measured on the profiled block (plan_s)",
+        "plan_s": "Adacc's solves and the measuring and timing of its action tables, after "
+        "profile_s",
     }
 
 

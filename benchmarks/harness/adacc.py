@@ -12,14 +12,14 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
 
 from adacc_hf.integrations.config import AdaccConfig
 from adacc_hf.integrations.session import AdaccSession
-from adacc_hf.profiler import profile_model
+from adacc_hf.profiler import BlockProbe, profile_model
 from adacc_hf.schema import Profile
 from adacc_hf.solver import StaticMemory, min_budget, no_checkpoint_budget
 
@@ -34,6 +34,9 @@ class Profiles:
     adacc: Profile
     no_outlier: Profile | None = None
     profile_s: float = 0.0  # wall time of the user-facing profile (adacc's own)
+    # each group's profiled block and its inputs: a solve times its action tables there, as the
+    # session does for users (`AdaccSession.solve_measured`)
+    probes: dict[str, BlockProbe] = field(default_factory=dict)
 
 
 def no_outlier_profile(profile: Profile, naive: Profile) -> Profile:
@@ -60,14 +63,17 @@ def profile_for(
 ) -> Profiles:
     """The profile `adacc_hf.prepare` makes (each layer type's own codec), plus the ablation's."""
     t0 = time.perf_counter()
-    prof = profile_model(model, batch, codec_params=AdaccConfig().codec_params(), repeats=repeats)
+    probes: dict[str, BlockProbe] = {}
+    prof = profile_model(
+        model, batch, codec_params=AdaccConfig().codec_params(), repeats=repeats, probes=probes
+    )
     took = time.perf_counter() - t0
     naive = None
     if no_outlier:
         codec, params = NO_OUTLIER_CODEC
         raw = profile_model(model, batch, codecs=[codec], codec_params={codec: params}, repeats=1)
         naive = no_outlier_profile(prof, raw)
-    return Profiles(prof, naive, took)
+    return Profiles(prof, naive, took, probes)
 
 
 def budget_range(profile: Profile, static: int | StaticMemory = 0) -> tuple[int, int]:
@@ -84,9 +90,12 @@ def solved_session(
     *,
     adaptive: bool = False,
     profile_repeats: int = 3,
+    probes: dict[str, BlockProbe] | None = None,
 ) -> AdaccSession:
     """An `AdaccSession` for `profile` under `budget_nbytes`, its policy solved as users get it
-    (raises `BudgetError` when none fits). Not yet applied to the model."""
+    (raises `BudgetError` when none fits): with `probes`, its action tables measured and timed on
+    them and solved again (`AdaccSession.solve_measured`; the session's profile holds what was
+    measured). Not yet applied to the model."""
     cfg = AdaccConfig(budget=int(budget_nbytes), adaptive=adaptive, profile_repeats=profile_repeats)
     solver = AdaccSession(model, cfg)
     if isinstance(static, StaticMemory):
@@ -94,6 +103,7 @@ def solved_session(
     else:
         solver.static = StaticMemory(params=int(static), grads=0, optimizer=0, master_weights=0)
     profile = copy.deepcopy(profile)
-    session = AdaccSession(model, cfg, policy=solver.solve(profile), profile=profile)
+    policy = solver.solve_measured(profile, probes or {})
+    session = AdaccSession(model, cfg, policy=policy, profile=profile)
     session.static = solver.static
     return session

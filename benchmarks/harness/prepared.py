@@ -15,6 +15,7 @@ from before. The kinds:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -197,6 +198,7 @@ class SolvedPolicy(AppliedPolicy):
             p = self.profiles = profile_for(
                 self.model, self.batch, self.profile_repeats, no_outlier=self.no_outlier
             )
+        t0 = time.perf_counter()
         try:
             self.session = solved_session(
                 self.model,
@@ -205,6 +207,7 @@ class SolvedPolicy(AppliedPolicy):
                 self.static_nbytes,
                 adaptive=self.adaptive,
                 profile_repeats=self.profile_repeats,
+                probes=p.probes,
             )
         except BudgetError as e:
             self.fits_budget = False
@@ -213,6 +216,7 @@ class SolvedPolicy(AppliedPolicy):
         self.policy = policy = self.session.policy
         self.info.update(
             profile_s=p.profile_s,
+            plan_s=time.perf_counter() - t0,  # solves, and its tables measured and timed
             solve_ms=float(policy.metadata.get("solve_ms", float("nan"))),
             solver_status=policy.metadata.get("status"),
             predicted=policy.metadata.get("predicted", {}),

@@ -95,7 +95,8 @@ def throughput_markdown(out: Mapping[str, Any]) -> str:
             f"{res['budget_nbytes'] / MiB:.0f} MiB (smallest feasible {res['min_budget_nbytes'] / MiB:.0f},"
             f" no checkpointing needs {res['no_checkpoint_need_nbytes'] / MiB:.0f}); MILP solve "
             f"{res['solve_ms_median']:.0f} ms (median of 5); profiling {res['profile_s']:.1f} s "
-            f"(= {res.get('profile_steps_equiv') or NAN:.1f} Adacc steps)",
+            f"+ planning {res.get('plan_s') or NAN:.1f} s (= "
+            f"{res.get('profile_steps_equiv') or NAN:.1f} Adacc steps)",
             "",
             "| strategy | tokens/s (median) | vs HF full (median) | vs HF full (fastest step) "
             "| activations held (MiB) | step peak (MiB) | fits | largest micro-batch |",

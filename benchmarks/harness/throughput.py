@@ -147,8 +147,8 @@ def add_predictions(
     run: Run, ready: dict[str, Prepared], rows: dict[str, Any], batch: dict[str, Any]
 ) -> None:
     """The cost model's held bytes, peak and added time of each strategy's policy (from Adacc's
-    profile at this batch; a strategy without one as the uniform policy it amounts to), beside the
-    measured ones."""
+    profile at this batch, with what a session measured of its own policy; a strategy without one
+    as the uniform policy it amounts to), beside the measured ones."""
     prof = next((s.profiles.adacc for s in ready.values() if s.profiles is not None), None)
     if prof is None:
         return
@@ -161,7 +161,9 @@ def add_predictions(
             pol = uniform[action]
         if pol is None:
             continue
-        pred = predict(prof, pol, run.static)
+        session = getattr(s, "session", None)  # Adacc's: its tables measured on its own copy
+        own = session.current.profile if session is not None and session.current else None
+        pred = predict(own or prof, pol, run.static)
         rows[n]["predicted_held_nbytes"] = pred.held_nbytes
         rows[n]["predicted_peak_nbytes"] = pred.peak_nbytes
         if pred.unprofiled:  # codecs the profile sized but never timed: no time to predict
@@ -289,8 +291,9 @@ def _sweep(
         if bs == res["main_batch"] and adacc is not None and adacc.policy is not None:
             _save_policy(run, res, adacc, bs)
             adacc_ms = row["strategies"]["adacc"].get("step_ms_median")
+            res["plan_s"] = plan_s = float(adacc.info.get("plan_s", 0.0))
             if adacc_ms:
-                steps_equiv = profile_s * 1e3 / adacc_ms
+                steps_equiv = (profile_s + plan_s) * 1e3 / adacc_ms
         save()
     res["profile_steps_equiv"] = steps_equiv
 

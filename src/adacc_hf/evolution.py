@@ -169,7 +169,9 @@ def should_switch(
     accumulation: int = 1,
 ) -> bool:
     """Switch from `current` to `new` when `current` no longer fits the budget or uses a codec whose
-    measured error on `profile` is now above the limit, or when `new` is clearly (> 2 %) faster."""
+    measured error on `profile` is now above the limit, or when `new` is clearly (> 2 %) faster
+    (both priced by their per-op sums, as the solver compares candidates: only `current`'s action
+    tables may have been timed whole)."""
     if new.fingerprint() == current.fingerprint():
         return False
     cur = predict(profile, current, static, accumulation)
@@ -189,5 +191,6 @@ def should_switch(
                     and not errors.get((gname, key, a.codec), 0.0) <= max_rel_error
                 ):
                     return True
-    best = predict(profile, new, static, accumulation)
-    return best.added_ms < 0.98 * cur.added_ms
+    best = predict(profile, new, static, accumulation, measured_ms=False)
+    cur_ms = predict(profile, current, static, accumulation, measured_ms=False).added_ms
+    return best.added_ms < 0.98 * cur_ms

@@ -23,7 +23,7 @@ from ..errors import AdaccError, BudgetError
 from ..evolution import OutlierTracker, TrackingSchedule, should_switch
 from ..policy import Policy
 from ..policy.display import describe, metrics
-from ..profiler import BlockProbe, measure_variants, profile_model
+from ..profiler import BlockProbe, measure_policy, profile_model
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.peak import live_state_nbytes
 from ..runtime.sharded import forwards_without_backward
@@ -34,6 +34,7 @@ from ..solver import (
     least_memory_policy,
     parse_budget,
     planned_budget,
+    predict,
     solve_policy,
 )
 from .config import AdaccConfig, detect_autocast
@@ -177,7 +178,7 @@ class AdaccSession:
         else:
             profile = self.profiles[key] = self._profile(batch, key, probes)
         try:
-            policy = self._solve_measured(profile, probes)
+            policy = self.solve_measured(profile, probes)
         except BudgetError as e:
             if self.current is None:  # the run's first plans: fail before any work is lost
                 raise
@@ -204,24 +205,26 @@ class AdaccSession:
         logger.info("adacc plan for %s:\n%s", msg, policy.table())
         return plan
 
-    def _solve_measured(self, profile: Profile, probes: dict[str, BlockProbe]) -> Policy:
-        """Solve; measure the action tables the policy uses on the profiled blocks (their real
-        transients go into the profile) and solve again with them, up to twice."""
+    def solve_measured(self, profile: Profile, probes: dict[str, BlockProbe]) -> Policy:
+        """Solve; measure and time the action tables the policy uses on the profiled blocks
+        (their real transients go into the profile) and solve again with them, up to twice; the
+        final policy's tables measured too, its predicted added time is theirs (`predict`)."""
         policy = self.coordinator.share(lambda: self.solve(profile))
-        for _ in range(2):
-            if not probes:
-                break
-            variants = [
-                (name, v) for name, g in policy.groups.items() for v in g.variants if v.count
-            ]
+        for attempt in range(3 if probes else 0):
             self._planning = True
             try:
-                new = measure_variants(profile, probes, variants, self.autocast)
+                rounds = self.config.profile_repeats
+                new = measure_policy(profile, probes, policy, self.autocast, rounds)
             finally:
                 self._planning = False
-            if not new:
+            if not new or attempt == 2:
                 break
             policy = self.coordinator.share(lambda: self.solve(profile))
+        pred = policy.metadata.get("predicted")
+        if probes and isinstance(pred, dict) and "added_ms" in pred:
+            acc = self.config.gradient_accumulation_steps
+            pred["ops_added_ms"] = pred["added_ms"]  # the per-op sums the solver compared
+            pred["added_ms"] = predict(profile, policy, self._static(), acc).added_ms
         return policy
 
     def _profile(

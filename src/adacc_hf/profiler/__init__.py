@@ -26,7 +26,7 @@ from ..schema import GroupProfile, Profile
 from .head import measure_heads
 from .memory import StepMemory, measure, sharded
 from .ops import GroupOps, candidate_codecs, op_visitor, profile_codec
-from .variants import BlockProbe, measure_variants
+from .variants import BlockProbe, measure_policy, measure_variants
 
 __all__ = [
     "BlockProbe",
@@ -34,6 +34,7 @@ __all__ = [
     "StepMemory",
     "candidate_codecs",
     "measure_heads",
+    "measure_policy",
     "measure_variants",
     "profile_codec",
     "profile_model",

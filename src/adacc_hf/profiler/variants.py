@@ -7,6 +7,12 @@ profiled runs once with it and once under full recomputation, on the inputs it g
 forward, and the differences of their forward and backward peaks go into the profile
 (``Profile.variant_transients``). The step model adds them to the measured full-recomputation
 timeline.
+
+Each table's time is measured there too (``Profile.variant_ms``): the block's forward + backward
+under it over the plain block's, interleaved rounds. Per-op times summed and scaled by the
+block's full recomputation (`calibrate`) miss what a partly kept block pays: on the CPU suite's
+GPT-2 they put such a block at 0.6-1.3x of what it measured. `cost_model.predict` uses the
+measured time of each table the policy runs.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from ..runtime.checkpoint import BlockRuntime
 from ..runtime.peak import AllocationTracker
 from ..runtime.trace import autocast_context, detached_input
 from ..schema import GroupPolicy, OpSpec, Profile, Variant, variant_key
+from .calibrate import MIN_ROUNDS, added_ms, interleaved_ms
 
 FULL_RECOMPUTE = Variant(1, True, {})
 
@@ -80,15 +87,44 @@ def transients(
     return max(0, fwd), max(0, bwd)
 
 
+def variant_times(
+    probe: BlockProbe,
+    variants: list[Variant],
+    autocast: torch.dtype | None = None,
+    rounds: int = MIN_ROUNDS,
+) -> list[float]:
+    """Added ms of the block under each checkpointed variant over the plain block (forward +
+    backward, `calibrate.interleaved_ms`; medians of each round's differences)."""
+    runtimes: dict[str, BlockRuntime | None] = {
+        str(i): BlockRuntime(
+            probe.block, probe.path, probe.group, GroupPolicy(probe.ops, [v]), v, set()
+        )
+        for i, v in enumerate(variants)
+    }
+    runtimes["plain"] = None
+    device = probe.args[0].device
+    try:
+        times = interleaved_ms(
+            probe.block, probe.fn, probe.args, runtimes, device, rounds, autocast
+        )
+    finally:
+        for rt in runtimes.values():
+            if rt is not None:
+                rt.remove()
+    return [added_ms(times, str(i), "plain") for i in range(len(variants))]
+
+
 def measure_variants(
     profile: Profile,
     probes: dict[str, BlockProbe],
     variants: list[tuple[str, Variant]],
     autocast: torch.dtype | None = None,
+    rounds: int = MIN_ROUNDS,
 ) -> int:
     """Measure each (group, variant) not yet in ``profile.variant_transients`` against full
-    recomputation on the same block, and record the differences. Returns how many were new."""
-    new = 0
+    recomputation on the same block and record the differences, and time it (`variant_times`,
+    ``profile.variant_ms``). Returns how many were new."""
+    new: dict[str, dict[str, Variant]] = {}
     cuda = sorted({p.args[0].device.index or 0 for p in probes.values() if p.args[0].is_cuda})
     with torch.random.fork_rng(devices=cuda):
         for group, variant in variants:
@@ -102,5 +138,20 @@ def measure_variants(
                 profile.variant_transients[f"{group}:full"] = base
             fwd, bwd = transients(probe, variant, autocast)
             profile.variant_transients[key] = [fwd - base[0], bwd - base[1]]
-            new += 1
-    return new
+            new.setdefault(group, {})[key] = variant
+    for group, timed in new.items():
+        ms = variant_times(probes[group], list(timed.values()), autocast, rounds)
+        profile.variant_ms.update(zip(timed, ms, strict=True))
+    return sum(len(t) for t in new.values())
+
+
+def measure_policy(
+    profile: Profile,
+    probes: dict[str, BlockProbe],
+    policy: Any,
+    autocast: torch.dtype | None = None,
+    rounds: int = MIN_ROUNDS,
+) -> int:
+    """`measure_variants` of every action table `policy` (a `Policy`) runs on some block."""
+    used = [(name, v) for name, g in policy.groups.items() for v in g.variants if v.count]
+    return measure_variants(profile, probes, used, autocast, rounds)

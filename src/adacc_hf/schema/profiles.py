@@ -149,6 +149,9 @@ class Profile:
     # Measured per action table: "group:variant fingerprint" -> [forward, backward] transient
     # minus full recomputation's, on the profiled block ("group:full": full recomputation's own).
     variant_transients: dict[str, list[int]] = field(default_factory=dict)
+    # Measured per action table (same keys): forward + backward ms of the profiled block under it
+    # minus the plain block's (`profiler.variants.variant_times`).
+    variant_ms: dict[str, float] = field(default_factory=dict)
     # Measured per way of running the LM head and loss (`HEADS`; empty: only the model's own,
     # which the timeline measured).
     heads: dict[str, HeadCost] = field(default_factory=dict)

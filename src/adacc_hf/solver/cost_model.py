@@ -8,7 +8,9 @@ Per op of a checkpointed block: retain (0 ms, ``retain_nbytes``), compress with 
 decode ms, encoded bytes), recompute (``fwd_ms``, 0 bytes). Per block group: a checkpointed block
 holds its input plus what its ops keep and pays ``fixed_ms`` for ops that always rerun, plus
 ``dispatch_ms`` (the runtime's dispatch modes, measured) if it keeps any op; a plain block holds
-``full_nbytes``. The step's peak is `step.step_peak` over those blocks.
+``full_nbytes``. The step's peak is `step.step_peak` over those blocks. Once a solved policy's
+action tables have been timed whole on the profiled block (``Profile.variant_ms``), `predict`
+adds those times instead of the sums.
 
 The MILP bounds activations by one linear constraint (``held + transient <= cap``, `evaluate`);
 the solver then checks the whole step's peak of each candidate and adjusts the cap.
@@ -259,9 +261,12 @@ def recompute_ms(groups: list[GroupModel]) -> float:
     return math.fsum(per)
 
 
-def block_loads(profile: Profile, policy: Policy) -> tuple[dict[str, list[BlockLoad]], float, list]:
-    """Per group, each block's load under `policy` (in block order), the added ms, and the codecs
-    sized but not timed ("group/op:codec")."""
+def block_loads(
+    profile: Profile, policy: Policy, measured_ms: bool = True
+) -> tuple[dict[str, list[BlockLoad]], float, list]:
+    """Per group, each block's load under `policy` (in block order), the added ms (of a variant
+    timed whole, ``profile.variant_ms``, that time if `measured_ms`), and the codecs sized but not
+    timed ("group/op:codec")."""
     loads: dict[str, list[BlockLoad]] = {}
     ms: list[float] = []
     unprofiled: list[str] = []
@@ -306,11 +311,11 @@ def block_loads(profile: Profile, policy: Policy) -> tuple[dict[str, list[BlockL
                     dtype = getattr(torch, op.dtype.removeprefix("torch."))
                     b += codec.predict_nbytes(op.shape, dtype)
                     unprofiled.append(f"{name}/{op.key}:{act.codec}")
-            load = BlockLoad(
-                name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, variant_key(name, v)
-            )
+            key = variant_key(name, v)
+            load = BlockLoad(name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key)
             blocks += [load] * v.count
-            ms.append(math.fsum(t) * v.count)
+            timed = profile.variant_ms.get(key) if measured_ms else None
+            ms.append((math.fsum(t) if timed is None else timed) * v.count)
         loads[name] = blocks
     return loads, math.fsum(ms), sorted(set(unprofiled))
 
@@ -320,6 +325,8 @@ def predict(
     policy: Policy,
     static_nbytes: int | StaticMemory = 0,
     accumulation: int = 1,
+    *,
+    measured_ms: bool = True,
 ) -> Prediction:
     """Held bytes, added time and step peak of any ``policy`` under ``profile``'s cost model.
 
@@ -328,8 +335,10 @@ def predict(
     ``static_nbytes``: a `StaticMemory` (gradients, states and optimizer temporaries placed in the
     step), or a number of bytes resident all step long. The policy's LM head (``policy.head``)
     adds its measured time and bytes beyond the model's own head (`step.head_shift`).
+    A variant timed whole on the profiled block (``profile.variant_ms``) adds that time, unless
+    ``measured_ms=False``: the per-op sums alone, as the solver compares its candidates.
     """
-    loads, added_ms, unprofiled = block_loads(profile, policy)
+    loads, added_ms, unprofiled = block_loads(profile, policy, measured_ms)
     shift = head_shift(profile, policy.head)
     ordered = in_forward_order(profile, loads)
     est: StepEstimate = step_peak(profile, ordered, static_nbytes, accumulation, policy.head)

@@ -125,7 +125,8 @@ def _solve(
     def realise(ks: dict, counts: dict) -> tuple[Policy, Prediction]:
         policy = policy_from_counts(profile, groups, ks, counts)
         policy.head = head
-        return policy, predict(profile, policy, static_nbytes, accumulation)
+        # per-op sums alone: every candidate priced alike, as the MILP prices them
+        return policy, predict(profile, policy, static_nbytes, accumulation, measured_ms=False)
 
     label = solver
     if high.peak_nbytes <= budget_nbytes:
