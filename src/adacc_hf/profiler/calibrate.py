@@ -36,9 +36,10 @@ from ..schema import Action, GroupPolicy, OpProfile, Variant
 #: Scales outside this range are noise (e.g. a block of microseconds), not a measurement, unless
 #: every round measured the added time above zero (`_scale`); then up to `RESOLVED_RANGE` (a codec
 #: that costs 12x its isolated time inside a step was seen on a fast CPU: clamped to 8x, the
-#: prediction fell 40 % short).
+#: prediction fell 40 % short). Only upwards: five rounds all above zero by chance would make a
+#: codec look cheaper than it is, and the solver would choose one that does not pay.
 SCALE_RANGE = (1 / 8, 8.0)
-RESOLVED_RANGE = (1 / 64, 64.0)
+RESOLVED_RANGE = (1 / 8, 64.0)
 #: Timed rounds at least: each added time is a difference of two noisy ones (a shared 2-core CPU
 #: varies by +-20 % from step to step), so a median of 3 could be off by half.
 MIN_ROUNDS = 5
