@@ -174,7 +174,7 @@ def should_switch(
     tables may have been timed whole)."""
     if new.fingerprint() == current.fingerprint():
         return False
-    cur = predict(profile, current, static, accumulation)
+    cur = predict(profile, current, static, accumulation, measured_ms=False)
     if cur.peak_nbytes > budget_nbytes:
         return True
     errors = {
@@ -192,5 +192,4 @@ def should_switch(
                 ):
                     return True
     best = predict(profile, new, static, accumulation, measured_ms=False)
-    cur_ms = predict(profile, current, static, accumulation, measured_ms=False).added_ms
-    return best.added_ms < 0.98 * cur_ms
+    return best.added_ms < 0.98 * cur.added_ms

@@ -21,6 +21,8 @@ which no noise can hide), ``compress - keep`` = the codecs' encode + decode.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,7 +33,7 @@ from ..runtime.checkpoint import BlockRuntime
 from ..runtime.overhead import dispatch_overhead_ms
 from ..runtime.timing import sync, work_clock
 from ..runtime.trace import autocast_context, detached_input
-from ..schema import Action, GroupPolicy, OpProfile, Variant
+from ..schema import Action, GroupPolicy, OpProfile, OpSpec, Variant
 
 #: Scales outside this range are noise (e.g. a block of microseconds), not a measurement, unless
 #: every round measured the added time above zero (`_scale`); then up to `RESOLVED_RANGE` (a codec
@@ -71,12 +73,14 @@ class Calibration:
         return out, fixed_ms * r
 
 
-def _scale(times: dict[str, list[float]], a: str, b: str, profiled: float) -> float:
-    """Measured ``a - b`` (`added_ms`) over the `profiled` sum, bounded by `RESOLVED_RANGE` when
-    every round's difference is positive, else by `SCALE_RANGE`."""
+def _scale(
+    times: dict[str, list[float]], a: str, b: str, measured: float, profiled: float
+) -> float:
+    """`measured` (``a - b``, `added_ms`) over the `profiled` sum, bounded by `RESOLVED_RANGE`
+    when every round's difference is positive, else by `SCALE_RANGE`."""
     resolved = all(x > y for x, y in zip(times[a], times[b], strict=True))
     lo, hi = RESOLVED_RANGE if resolved else SCALE_RANGE
-    return min(max(added_ms(times, a, b) / profiled, lo), hi)
+    return min(max(measured / profiled, lo), hi)
 
 
 def _cheapest(op: OpProfile) -> tuple[str, Any] | None:
@@ -103,6 +107,29 @@ def tables(ops: list[OpProfile]) -> dict[str, Variant | None]:
         "keep": Variant(1, True, keep),
         "compress": Variant(1, True, compress),
     }
+
+
+@contextmanager
+def table_runtimes(
+    block: nn.Module,
+    path: str,
+    group: str,
+    specs: list[OpSpec],
+    variants: Mapping[str, Variant | None],
+) -> Iterator[dict[str, BlockRuntime | None]]:
+    """A `BlockRuntime` on `block` per action table (None: the plain block), removed on exit."""
+    runtimes = {
+        n: BlockRuntime(block, path, group, GroupPolicy(specs, [v]), v, set())
+        if v is not None
+        else None
+        for n, v in variants.items()
+    }
+    try:
+        yield runtimes
+    finally:
+        for rt in runtimes.values():
+            if rt is not None:
+                rt.remove()
 
 
 def _step_ms(
@@ -175,18 +202,8 @@ def calibrate(
     dispatch overhead (module docstring)."""
     specs = [o.spec() for o in ops]
     variants = tables(ops)
-    runtimes = {
-        n: BlockRuntime(block, path, group, GroupPolicy(specs, [v]), v, set())
-        if v is not None
-        else None
-        for n, v in variants.items()
-    }
-    try:
+    with table_runtimes(block, path, group, specs, variants) as runtimes:
         times = interleaved_ms(block, fn, args, runtimes, device, max(MIN_ROUNDS, repeats))
-    finally:
-        for rt in runtimes.values():
-            if rt is not None:
-                rt.remove()
     cal = Calibration(
         plain_ms=statistics.median(times["plain"]),
         recompute_ms=added_ms(times, "recompute", "plain"),
@@ -205,9 +222,9 @@ def calibrate(
     )
     cal.profiled = {"recompute_ms": rec, "codec_ms": codec}
     if rec > 0:
-        cal.recompute_scale = _scale(times, "recompute", "plain", rec)
+        cal.recompute_scale = _scale(times, "recompute", "plain", cal.recompute_ms, rec)
     if codec > 0:
-        cal.codec_scale = _scale(times, "compress", "keep", codec)
+        cal.codec_scale = _scale(times, "compress", "keep", cal.codec_ms, codec)
     floor = dispatch_overhead_ms(block, fn, args, gp_keep, device, repeats)
     cal.dispatch_ms = max(floor, cal.keep_ms - cal.recompute_scale * rerun)
     return cal

@@ -24,11 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.checkpoint import BlockRuntime
 from ..runtime.peak import AllocationTracker
 from ..runtime.trace import autocast_context, detached_input
-from ..schema import GroupPolicy, OpSpec, Profile, Variant, variant_key
-from .calibrate import MIN_ROUNDS, added_ms, interleaved_ms
+from ..schema import OpSpec, Profile, Variant, variant_key
+from .calibrate import MIN_ROUNDS, added_ms, interleaved_ms, table_runtimes
 
 FULL_RECOMPUTE = Variant(1, True, {})
 
@@ -57,15 +56,10 @@ def transients(
     x, x_in = detached_input(probe.args[0])
     params = [p for p in probe.block.parameters() if p.requires_grad]
     device = x.device
-    runtime = (
-        BlockRuntime(
-            probe.block, probe.path, probe.group, GroupPolicy(probe.ops, [variant]), variant, set()
-        )
-        if variant.checkpoint
-        else None
-    )
     tracker = AllocationTracker(device)
-    try:
+    table = {"variant": variant if variant.checkpoint else None}
+    with table_runtimes(probe.block, probe.path, probe.group, probe.ops, table) as runtimes:
+        runtime = runtimes["variant"]
         with tracker:
             tracker.mark("start")
             with autocast_context(device, autocast):
@@ -79,9 +73,6 @@ def transients(
             grads = torch.autograd.grad(y, inputs, grad_outputs=grad, allow_unused=True)
             tracker.mark("backward_end")
             del grads, grad, y, out
-    finally:
-        if runtime is not None:
-            runtime.remove()
     fwd = tracker.peak("start", "forward_end") - tracker.level("start")
     bwd = tracker.peak("backward_start", "backward_end") - tracker.level("backward_start")
     return max(0, fwd), max(0, bwd)
@@ -95,22 +86,11 @@ def variant_times(
 ) -> list[float]:
     """Added ms of the block under each checkpointed variant over the plain block (forward +
     backward, `calibrate.interleaved_ms`; medians of each round's differences)."""
-    runtimes: dict[str, BlockRuntime | None] = {
-        str(i): BlockRuntime(
-            probe.block, probe.path, probe.group, GroupPolicy(probe.ops, [v]), v, set()
-        )
-        for i, v in enumerate(variants)
-    }
-    runtimes["plain"] = None
-    device = probe.args[0].device
-    try:
-        times = interleaved_ms(
-            probe.block, probe.fn, probe.args, runtimes, device, rounds, autocast
-        )
-    finally:
-        for rt in runtimes.values():
-            if rt is not None:
-                rt.remove()
+    tables: dict[str, Variant | None] = {str(i): v for i, v in enumerate(variants)}
+    tables["plain"] = None
+    block, device = probe.block, probe.args[0].device
+    with table_runtimes(block, probe.path, probe.group, probe.ops, tables) as runtimes:
+        times = interleaved_ms(block, probe.fn, probe.args, runtimes, device, rounds, autocast)
     return [added_ms(times, str(i), "plain") for i in range(len(variants))]
 
 
