@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -38,6 +39,17 @@ def grad_rel_error(grads, ref) -> float:
     diff = torch.cat([(grads[k] - ref[k]).flatten() for k in ref])
     base = torch.cat([ref[k].flatten() for k in ref])
     return (diff.norm() / base.norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def fresh_bitsandbytes_overrides():
+    """The HF Trainer registers 8-bit optimizer overrides in bitsandbytes' process-wide manager,
+    keyed by ``id(param)``: a later test's parameter that reuses a dead one's id would inherit
+    them (fp32 states where 8-bit ones are expected)."""
+    yield
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is not None:
+        bnb.optim.GlobalOptimManager.get_instance().initialize()
 
 
 @pytest.fixture(scope="module")
