@@ -553,6 +553,31 @@ def test_static_estimate_matches_measured_bytes(name, lora):
         assert est.grads < est.params / 10
 
 
+def test_trainer_8bit_optimizer_keeps_embedding_states_in_fp32_and_the_estimate_follows():
+    """The HF Trainer tells bitsandbytes to keep nn.Embedding states in fp32 under 8-bit
+    optimizers; the estimate a Trainer run uses (`run_config` sets ``fp32_embeddings``) holds
+    them, the plain 8-bit rule would not."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import Trainer, TrainingArguments
+
+    from adacc_hf.integrations.callback import run_config
+    from adacc_hf.integrations.config import AdaccConfig
+
+    model = assets.tiny_model("llama")
+    args = TrainingArguments(
+        output_dir="/tmp/adacc-bnb", optim="adamw_bnb_8bit", use_cpu=True, report_to="none"
+    )
+    opt = Trainer(model=model, args=args).create_optimizer()
+    model(**assets.tiny_batch("llama", model)).loss.backward()
+    opt.step()
+    measured = measured_static_memory(model, opt)
+    cfg = run_config(AdaccConfig(), args)
+    assert cfg.fp32_embeddings and cfg.optimizer == "adamw_bnb_8bit"
+    est = estimate_static_memory(model, optimizer=cfg.optimizer, fp32_embeddings=True)
+    assert est.total == measured
+    assert estimate_static_memory(model, optimizer=cfg.optimizer).total < measured
+
+
 def test_zero_and_fsdp_divide_by_world_size():
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8)).to(torch.bfloat16)
     model[1].requires_grad_(False)  # frozen: no gradient, state or master copy

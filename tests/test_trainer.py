@@ -252,15 +252,18 @@ def test_budget_below_static_memory_fails_before_training(tmp_path):
     assert trainer.state.global_step == 0
 
 
-def test_lora_with_8bit_adamw_trains_and_static_memory_accounts_for_it(tmp_path):
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_8bit_adamw_trains_and_static_memory_accounts_for_it(tmp_path, lora):
+    """LoRA (frozen embeddings) and full fine-tuning, where the Trainer keeps the embeddings'
+    8-bit optimizer states in fp32."""
     peft = pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
     from adacc_hf.solver import measured_static_memory
 
     model = assets.tiny_model("llama", seed=0)
-    model = peft.get_peft_model(
-        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
-    )
+    if lora:
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+        model = peft.get_peft_model(model, config)
     batch = assets.tiny_batch("llama", assets.tiny_config("llama"))
     budget = mixed_budget(model, batch)
     args = _args(tmp_path, budget, optim="adamw_bnb_8bit", save_strategy="no")
@@ -274,8 +277,10 @@ def test_lora_with_8bit_adamw_trains_and_static_memory_accounts_for_it(tmp_path)
     # gradients present: the Trainer frees them after each step).
     model(**batch).loss.backward()
     assert session.static_nbytes == measured_static_memory(model, trainer.optimizer)
-    lora = [p for n, p in model.named_parameters() if "lora_" in n]
-    assert lora and all(p.grad is not None and torch.isfinite(p.grad).all() for p in lora)
+    if lora:
+        lora_params = [p for n, p in model.named_parameters() if "lora_" in n]
+        assert lora_params
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in lora_params)
 
 
 class VariableLengths(torch.utils.data.Dataset):

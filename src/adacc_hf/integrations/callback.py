@@ -89,13 +89,15 @@ def _longest_row(args: Any, collator: Any, dataset: Any) -> int | None:
 
 
 def run_config(config: AdaccConfig, args: TrainingArguments) -> AdaccConfig:
-    """`config` with what the run decides filled in from its arguments: the optimizer, mixed
-    precision, world size and sharding (per-device budgets divide sharded states)."""
+    """`config` with what the run decides filled in from its arguments: the optimizer (and the
+    Trainer's fp32 embedding states under 8-bit ones), mixed precision, world size and sharding
+    (per-device budgets divide sharded states)."""
     mp = (
         "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
     )
     fields = {
         "optimizer": str(getattr(args.optim, "value", args.optim)),
+        "fp32_embeddings": True,  # the Trainer's bitsandbytes override (`estimate_static_memory`)
         "mixed_precision": mp,
         "gradient_accumulation_steps": max(1, int(getattr(args, "gradient_accumulation_steps", 1))),
         "world_size": max(1, int(getattr(args, "world_size", 1) or 1)),

@@ -14,6 +14,17 @@ from ..schema import HEADS
 from ..solver import HEADROOM
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: The fields of `AdaccConfig` that are `solver.estimate_static_memory` options of the same name.
+STATIC_OPTIONS = (
+    "optimizer",
+    "mixed_precision",
+    "zero_stage",
+    "fsdp",
+    "world_size",
+    "offload_optimizer",
+    "master_weights",
+    "fp32_embeddings",
+)
 
 
 @dataclass
@@ -34,6 +45,9 @@ class AdaccConfig:
     # (`runtime.head`: no logits in training forwards with labels) or "auto" (the solver's pick)
     head: str = "full"
     optimizer: str = "adamw_torch"
+    # 8-bit bitsandbytes optimizers keep nn.Embedding states in fp32: the HF Trainer registers
+    # that override (`run_config` sets it); a custom loop's optimizer has it only if it asks.
+    fp32_embeddings: bool = False
     mixed_precision: str | None = None  # "bf16" / "fp16": forwards autocast to it
     gradient_accumulation_steps: int = 1
     max_seq_len: int | None = None  # the longest batch of the run (planned up front), if known
@@ -73,6 +87,10 @@ class AdaccConfig:
             raise AdaccError("gradient_accumulation_steps must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise AdaccError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+
+    def static_options(self) -> dict[str, Any]:
+        """The `solver.estimate_static_memory` options of this run."""
+        return {name: getattr(self, name) for name in STATIC_OPTIONS}
 
     def codec_params(self) -> dict[str, dict[str, Any]]:
         return {"int4_outlier": {"zscore_threshold": self.zscore_threshold}}

@@ -114,17 +114,7 @@ class AdaccSession:
 
     def _static(self) -> StaticMemory:
         if self.static is None:
-            c = self.config
-            self.static = estimate_static_memory(
-                self.model,
-                optimizer=c.optimizer,
-                mixed_precision=c.mixed_precision,
-                zero_stage=c.zero_stage,
-                fsdp=c.fsdp,
-                world_size=c.world_size,
-                offload_optimizer=c.offload_optimizer,
-                master_weights=c.master_weights,
-            )
+            self.static = estimate_static_memory(self.model, **self.config.static_options())
         return self.static
 
     def _budget(self) -> int:

@@ -9,7 +9,8 @@ a step. Rules (per trainable parameter of ``n`` elements at ``e`` bytes each):
   (+ a 4-byte step tensor per parameter for torch's optimizers);
 * ``*8bit*`` (bitsandbytes, block size 256): 1 byte per element per state + one fp32 absmax per
   256 elements, for parameters of >= 4096 elements (smaller ones keep fp32 states), + the shared
-  256-entry fp32 quantisation maps;
+  256-entry fp32 quantisation maps; with ``fp32_embeddings`` (what the HF Trainer registers with
+  bitsandbytes for 8-bit optimizers) ``nn.Embedding`` weights keep fp32 states;
 * ``sgd``: no state (torch's default momentum 0); ``sgd_momentum``: 1 state;
 * ``adafactor`` (transformers, ``beta1=None``): fp32 row + column statistics for matrices,
   a full fp32 state for vectors, + a 4-byte RMS scalar per parameter;
@@ -189,7 +190,8 @@ def _step_temporaries(
     return round(_STEP_LARGEST_CPU[opt.kind] * largest)
 
 
-def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel) -> int:
+def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel, fp32_8bit: bool = False) -> int:
+    """Bytes of `p`'s optimizer states (an 8-bit optimizer's states in fp32 if `fp32_8bit`)."""
     n, e = _numel(p), p.element_size()
     step = 4 if opt.step_tensor else 0
     if opt.kind == "param":
@@ -197,7 +199,7 @@ def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel) -> int:
     if opt.kind == "fp32":
         return opt.states * n * 4 + step
     if opt.kind == "8bit":
-        if n < BNB_MIN_8BIT_SIZE:
+        if n < BNB_MIN_8BIT_SIZE or fp32_8bit:
             return opt.states * n * 4
         return opt.states * (n + 4 * math.ceil(n / BNB_BLOCK))
     # factored (Adafactor): fp32 row/col second moments for >= 2-D, full otherwise; RMS scalar
@@ -219,8 +221,10 @@ def estimate_static_memory(
     fsdp: bool = False,
     world_size: int = 1,
     offload_optimizer: bool = False,
+    fp32_embeddings: bool = False,
 ) -> StaticMemory:
-    """Predicted static bytes per device of training ``model`` (rules in the module docstring)."""
+    """Predicted static bytes per device of training ``model`` (rules in the module docstring).
+    ``fp32_embeddings``: 8-bit optimizers keep embedding states in fp32, as under the HF Trainer."""
     opt = _optimizer_model(optimizer)
     if mixed_precision not in MIXED_PRECISION:
         raise BudgetError(
@@ -238,6 +242,11 @@ def estimate_static_memory(
     params = grads = states = master = largest = 0
     num = trainable = 0
     any_8bit = False
+    fp32 = (
+        {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        if fp32_embeddings and opt.kind == "8bit"
+        else set()
+    )
     for p in _unique_params(model):
         n, e = _numel(p), p.element_size()
         params += n * e
@@ -247,8 +256,8 @@ def estimate_static_memory(
         trainable += n
         grads += n * e
         largest = max(largest, n * e)
-        states += _state_nbytes(p, opt)
-        any_8bit |= opt.kind == "8bit" and n >= BNB_MIN_8BIT_SIZE
+        states += _state_nbytes(p, opt, id(p) in fp32)
+        any_8bit |= opt.kind == "8bit" and n >= BNB_MIN_8BIT_SIZE and id(p) not in fp32
         if master_weights and p.is_floating_point() and e < 4:
             master += 4 * n
     if any_8bit:
