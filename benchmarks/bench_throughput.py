@@ -117,6 +117,9 @@ def rules(cuda: bool) -> dict[str, str]:
         "fits": "peak_nbytes <= budget_nbytes (and no OOM)",
         "max_batch.peak": "largest micro-batch whose step peak fits (doubling, then bisection)",
         "max_batch.held": "static + activations held after forward <= budget (if searched)",
+        "paired_added_ms": "per round, a strategy's median step over no checkpointing's in the same "
+        "round; median and bootstrap interval over rounds, "
+        + ("wall time" if cuda else "process CPU time (the profile's clock, one thread)"),
         "predicted_added_ms": "the cost model's added time over no checkpointing; Adacc's: the "
         "time of each action table its policy runs, measured on the profiled block (plan_s)",
         "plan_s": "Adacc's solves and the measuring and timing of its action tables, after "

@@ -163,6 +163,19 @@ def test_round_by_round_verdicts_follow_the_interval():
     assert rows["hf_full"]["added_verdict"] == "holds"
     assert rows["slow"]["added_verdict"] == "fails"
     assert rows["plain"]["added_verdict"] == "none predicted"
+    # on a CPU the rounds pair process CPU times, the profile's clock: another job that stretched
+    # one round's wall time (here hf_full's second round, 80 ms) does not move the figure
+    rows = {
+        "none": {"step_ms_all": [100.0] * 4, "cpu_ms_all": [100.0] * 4},
+        "hf_full": {
+            "step_ms_all": [150.0, 230.0, 150.0, 230.0],
+            "cpu_ms_all": [150.0] * 4,
+            "predicted_added_ms": 50.0,
+        },
+    }
+    stats.added_times(rows, steps=1)
+    assert rows["hf_full"]["paired_added_interval"] == [50.0, 50.0]
+    assert rows["hf_full"]["added_verdict"] == "holds"
 
 
 def test_tiny_accuracy_suite_compares_eval_loss_to_baseline(tmp_path):

@@ -11,7 +11,9 @@ against another's in the same round) and its uncertainty is a bootstrap over rou
   budget (`vs_best_fitting`), and per round with its interval; claim: >= `MIN_RATIO`.
 - ``measured_added_ms``: a strategy's step time over no checkpointing's, and per round with its
   interval; ``predicted_over_measured_added``: the cost model's added time over it; claim: within
-  `ADDED_TOLERANCE` (no verdict for a plan predicted to add nothing: ``none predicted``).
+  `ADDED_TOLERANCE` (no verdict for a plan predicted to add nothing: ``none predicted``). On a
+  CPU the rounds pair process CPU times (``cpu_ms_all``), the clock the profiler timed the
+  prediction with (`adacc_hf.runtime.timing.work_clock`); on a GPU, wall times.
 """
 
 from __future__ import annotations
@@ -88,9 +90,11 @@ def vs_best_fitting(rows: dict[str, Any], steps: int) -> None:
 def added_times(rows: dict[str, Any], steps: int, base: str = "none") -> None:
     """Each strategy's measured added time per step over no checkpointing (``base``, from the
     same interleaved run; CPU: also in process CPU time) beside the cost model's prediction; the
-    paired per-round added time with its interval, and the prediction's verdict against it."""
+    paired per-round added time with its interval (process CPU time where measured, as the
+    profile's), and the prediction's verdict against it."""
     ref = rows.get(base, {})
-    ref_rounds = per_round(ref.get("step_ms_all", []), steps)
+    clock = "cpu_ms_all" if "cpu_ms_all" in ref else "step_ms_all"
+    ref_rounds = per_round(ref.get(clock, []), steps)
     for name, r in rows.items():
         for key, out in (
             ("step_ms_median", "measured_added_ms"),
@@ -104,7 +108,7 @@ def added_times(rows: dict[str, Any], steps: int, base: str = "none") -> None:
             r["predicted_over_measured_added"] = pred / meas
         if name == base or pred is None or not ref_rounds:
             continue
-        mine = per_round(r["step_ms_all"], steps)
+        mine = per_round(r.get(clock, []), steps)
         paired = [m - b for m, b in zip(mine, ref_rounds, strict=False)]
         if not paired:
             continue

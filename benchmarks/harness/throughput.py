@@ -127,6 +127,7 @@ def bench_batch(
         if cpu.get(n):
             rows[n]["cpu_ms_median"] = median(cpu[n]) * 1e3
             rows[n]["cpu_ms_min"] = min(cpu[n]) * 1e3
+            rows[n]["cpu_ms_all"] = [t * 1e3 for t in cpu[n]]
         rows[n]["info"] = jsonable(ready[n].info)
     add_predictions(run, ready, rows, batch)
     added_times(rows, a.steps)
