@@ -190,8 +190,14 @@ def _step_temporaries(
     return round(_STEP_LARGEST_CPU[opt.kind] * largest)
 
 
-def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel, fp32_8bit: bool = False) -> int:
-    """Bytes of `p`'s optimizer states (an 8-bit optimizer's states in fp32 if `fp32_8bit`)."""
+def _quantised(p: torch.Tensor, opt: _OptimizerModel, fp32: set[int]) -> bool:
+    """Whether an 8-bit optimizer keeps `p`'s states in 8 bits: large enough, and not one whose
+    states were overridden to fp32 (ids in `fp32`)."""
+    return opt.kind == "8bit" and _numel(p) >= BNB_MIN_8BIT_SIZE and id(p) not in fp32
+
+
+def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel, quantised: bool) -> int:
+    """Bytes of `p`'s optimizer states (an 8-bit optimizer's: in fp32 unless `quantised`)."""
     n, e = _numel(p), p.element_size()
     step = 4 if opt.step_tensor else 0
     if opt.kind == "param":
@@ -199,7 +205,7 @@ def _state_nbytes(p: torch.Tensor, opt: _OptimizerModel, fp32_8bit: bool = False
     if opt.kind == "fp32":
         return opt.states * n * 4 + step
     if opt.kind == "8bit":
-        if n < BNB_MIN_8BIT_SIZE or fp32_8bit:
+        if not quantised:
             return opt.states * n * 4
         return opt.states * (n + 4 * math.ceil(n / BNB_BLOCK))
     # factored (Adafactor): fp32 row/col second moments for >= 2-D, full otherwise; RMS scalar
@@ -256,8 +262,9 @@ def estimate_static_memory(
         trainable += n
         grads += n * e
         largest = max(largest, n * e)
-        states += _state_nbytes(p, opt, id(p) in fp32)
-        any_8bit |= opt.kind == "8bit" and n >= BNB_MIN_8BIT_SIZE and id(p) not in fp32
+        quantised = _quantised(p, opt, fp32)
+        states += _state_nbytes(p, opt, quantised)
+        any_8bit |= quantised
         if master_weights and p.is_floating_point() and e < 4:
             master += 4 * n
     if any_8bit:
