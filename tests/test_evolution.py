@@ -176,3 +176,47 @@ def test_tracking_measures_only_codecs_the_solver_could_choose():
     assert tracker.samples == {}
     assert session.on_step_end(1).kind == "track"
     session.close()
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("gpt2", {}),  # layer norm: (output, mean, rstd)
+        ("llama", dict(hidden_size=128, num_attention_heads=4, attention_dropout=0.0)),  # + lse
+    ],
+)
+def test_tracking_the_profiled_batch_moves_no_codec_size(family, overrides):
+    """Codec payloads do not depend on the data, so a tracking step on the very batch that was
+    profiled measures each codec at the size the profile has, multi-output ops included (their
+    other outputs are not the codec's: measuring them as if they were made ranks that saw
+    different rows disagree on sizes and re-solve to different policies)."""
+    model = assets.tiny_model(family, seed=0, **overrides)
+    batch = assets.tiny_batch(family, model, batch_size=2, seq_len=128)
+    prof = profile_model(model, batch, codecs=["int4_naive", "int4_channel"], repeats=1)
+    for g in prof.groups.values():  # every codec worth tracking
+        g.dispatch_ms = 0.0
+        for op in g.ops:
+            for c in op.codecs.values():
+                c.encode_ms = c.decode_ms = 0.0
+    assert any(op.side_nbytes and op.codecs for g in prof.groups.values() for op in g.ops)
+    tracker = OutlierTracker(prof)
+    static = estimate_static_memory(model, optimizer="sgd")
+    cfg = AdaccConfig(
+        budget=budget_between(prof, static, 0.5), codecs=["int4_naive", "int4_channel"],
+        optimizer="sgd", head="full",
+    )  # fmt: skip
+    session = AdaccSession(model, cfg, profiles={shape_key(batch, False): prof})
+    session.setup(batch)
+    session.handle.set_tracker(tracker)
+    torch.manual_seed(0)
+    model(**batch).loss.backward()
+    session.close()
+    assert tracker.samples
+    tracked, changes = tracker.apply(prof)
+    sizes = {
+        (g.name, op.key, c.codec): c.nbytes
+        for g in tracked.groups.values() for op in g.ops for c in op.codecs.values()
+    }  # fmt: skip
+    for group, key, codec in tracker.samples:
+        op = next(o for o in prof.groups[group].ops if o.key == key)
+        assert sizes[(group, key, codec)] == op.codecs[codec].nbytes, (key, codec, changes)

@@ -6,16 +6,20 @@ import math
 
 import pytest
 import torch
-from conftest import random_policy, step
+from conftest import FAMILIES, random_policy, step
 
 from adacc_hf import (
     activation_memory_report,
     apply_adacc,
+    assets,
     attention_recompute_policy,
     measure_activation_memory,
+    profile_model,
     uniform_policy,
 )
 from adacc_hf.adapters import get_adapter
+from adacc_hf.schema import Action
+from adacc_hf.solver.cost_model import block_loads
 
 
 def _block_inputs(model, batch) -> dict[str, int]:
@@ -105,6 +109,54 @@ def test_compress_codec_sizes_are_what_the_codecs_predict(tiny):
                 main = math.prod(op.shape) * torch.empty(0, dtype=dtype).element_size()
                 expected = codec.predict_nbytes(op.shape, dtype) + op.nbytes - main
                 assert nbytes == expected, (path, key)
+
+
+def _compress_every_profiled_op(model, batch, prof):
+    """Full recomputation except every op the profile measured a codec on: compressed with it."""
+    policy = uniform_policy(model, "recompute", batch)
+    for name, g in prof.groups.items():
+        for op in g.ops:
+            if op.codecs and op.cacheable:
+                cp = op.codecs[sorted(op.codecs)[0]]
+                for v in policy.groups[name].variants:
+                    v.actions[op.key] = Action.compress(cp.codec, **cp.params)
+    return policy
+
+
+@pytest.mark.parametrize(
+    "family, seq_len, overrides",
+    [
+        *[(f, 16, {}) for f in FAMILIES],
+        # CPU SDPA's flash kernel (no dropout, long enough): its log-sum-exp is a second output
+        ("llama", 128, dict(hidden_size=128, num_attention_heads=4, attention_dropout=0.0)),
+    ],
+)
+def test_cost_model_prices_the_held_bytes_of_compressed_ops_exactly(family, seq_len, overrides):
+    """Measured on real storages, each block holds what the cost model charges it for a policy
+    that compresses every op it can: the codec's payload plus the op's other outputs the runtime
+    keeps exact (layer norm's mean and rstd, attention's log-sum-exp), or only a dropout mask."""
+    model = assets.tiny_model(family, **overrides)
+    batch = assets.tiny_batch(family, model, seq_len=seq_len)
+    prof = profile_model(model, batch, codecs=["int4_naive", "bitpack"], repeats=1)
+    policy = _compress_every_profiled_op(model, batch, prof)
+    compressed = [
+        op for g in prof.groups.values() for op in g.ops
+        if any(v.action(op.key).kind == "compress" for v in policy.groups[g.name].variants)
+    ]  # fmt: skip
+    sides = {op.aten for op in compressed if op.side_nbytes}
+    if family in ("gpt2", "bert"):
+        assert "aten.native_layer_norm.default" in sides
+    if seq_len == 128:
+        assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in sides
+    loads, _, unprofiled = block_loads(prof, policy)
+    assert not unprofiled
+    with apply_adacc(model, policy) as handle:
+        measured = activation_memory_report(model, batch)
+        groups = {path: rt.group for path, rt in handle.runtimes.items()}
+    seen: dict[str, int] = {}
+    for path, held in measured.blocks.items():
+        i = seen[groups[path]] = seen.get(groups[path], -1) + 1
+        assert held == loads[groups[path]][i].held, (path, held, loads[groups[path]][i])
 
 
 def test_measure_activation_memory_counts_saved_tensors_once():

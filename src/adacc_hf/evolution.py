@@ -69,7 +69,7 @@ class _Sample:
     nbytes: int
     rel_error: float
     n_outliers: int
-    raw_nbytes: int = 0  # the op output's own bytes (sizes scale to other shapes by the ratio)
+    numel: int  # of the tensor the codec compressed (sizes scale to other shapes per element)
 
 
 class OutlierTracker:
@@ -105,8 +105,8 @@ class OutlierTracker:
         if self._pending:
             errs = torch.stack([p[2] for p in self._pending]).tolist()
             outl = torch.stack([p[3] for p in self._pending]).tolist()
-            for (key, nbytes, _, _, raw), err, n in zip(self._pending, errs, outl, strict=True):
-                self._samples[key].append(_Sample(nbytes, float(err), int(n), raw))
+            for (key, nbytes, _, _, numel), err, n in zip(self._pending, errs, outl, strict=True):
+                self._samples[key].append(_Sample(nbytes, float(err), int(n), numel))
             self._pending.clear()
         return self._samples
 
@@ -129,11 +129,11 @@ class OutlierTracker:
             count = enc.meta.get("outlier_count")
             if count is None:
                 count = torch.zeros((), dtype=torch.int32, device=x.device)
-            self._pending.append((k3, enc.nbytes(), err, count, x.numel() * x.element_size()))
+            self._pending.append((k3, enc.nbytes(), err, count, x.numel()))
 
     def apply(self, profile: Profile) -> tuple[Profile, list[str]]:
-        """A copy of `profile` with every observed codec's mean size (as a share of the op's
-        output, so a profile of another shape takes it too) and worst error, and a list of
+        """A copy of `profile` with every observed codec's mean payload (per element of what it
+        compressed, so a profile of another shape takes it too) and worst error, and a list of
         human-readable changes (size change > 1 %, error change > 10 %)."""
         new = copy.deepcopy(profile)
         changes = []
@@ -143,8 +143,8 @@ class OutlierTracker:
             if op is None or codec not in op.codecs:  # seen under another bucket's ops
                 continue
             cp = op.codecs[codec]
-            ratio = sum(s.nbytes / (s.raw_nbytes or s.nbytes or 1) for s in samples) / len(samples)
-            nbytes = round(ratio * op.nbytes) if samples[0].raw_nbytes else cp.nbytes
+            per_element = sum(s.nbytes / max(1, s.numel) for s in samples) / len(samples)
+            nbytes = round(per_element * op.numel)
             err = max(s.rel_error for s in samples)
             outl = round(sum(s.n_outliers for s in samples) / len(samples))
             if abs(nbytes - cp.nbytes) > 0.01 * cp.nbytes or (

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
-from ..codecs import Codec, Encoded
+from ..codecs import Codec, Encoded, get_codec
 from ..errors import PolicyError
 from .ops import detach_for_cache, mask_of
 from .slots import MASK_ONLY, RAW, Slot
+
+_BITPACK = get_codec("bitpack")
 
 
 class Entry:
@@ -37,6 +39,32 @@ class Entry:
         self.nbytes = 0
 
 
+def _outputs(out: Any) -> tuple | list:
+    return out if isinstance(out, (tuple, list)) else (out,)
+
+
+def packed_codec(i: int, t: Any, codec: Codec | None, bitpack: Codec) -> Codec | None:
+    """How a compressed (packed) entry stores output `i` of its op: bool outputs bit-packed, the
+    first output with the slot's `codec`, the rest (small statistics such as layer norm's mean
+    and rstd, attention's log-sum-exp) raw (None)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    c = bitpack if t.dtype == torch.bool else codec if i == 0 else None
+    return c if c is not None and t.dtype in c.dtypes else None
+
+
+def side_nbytes(out: Any) -> int:
+    """Bytes a compressed (packed) entry of `out` holds besides its first output's payload: what
+    compressing the op keeps on top of the codec's size (`OpSpec.side_nbytes`)."""
+    total = 0
+    for i, t in enumerate(_outputs(out)):
+        if i == 0 or not isinstance(t, torch.Tensor):
+            continue
+        c = packed_codec(i, t, None, _BITPACK)
+        total += c.predict_nbytes(t.shape, t.dtype) if c else t.numel() * t.element_size()
+    return total
+
+
 def keep(rt: Any, slot: Slot, out: Any) -> Entry:
     """Snapshot ``out`` the way ``slot`` says: raw, encoded (the main output with the slot's
     codec, bool outputs bit-packed, small statistics exact), or only its mask."""
@@ -45,11 +73,10 @@ def keep(rt: Any, slot: Slot, out: Any) -> Entry:
         e.enc = [rt.bitpack.encode(mask_of(out))]
         e.nbytes = e.enc[0].nbytes()
         return e
-    for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
-        codec = slot.codec if slot.store != RAW and i == 0 else None
-        if slot.store != RAW and isinstance(t, torch.Tensor) and t.dtype == torch.bool:
-            codec = rt.bitpack
-        if codec is not None and isinstance(t, torch.Tensor) and t.dtype in codec.dtypes:
+    packed = slot.store != RAW
+    for i, t in enumerate(_outputs(out)):
+        codec = packed_codec(i, t, slot.codec, rt.bitpack) if packed else None
+        if codec is not None:
             enc = codec.encode(t)
             e.enc.append(enc)
             e.strides.append(t.stride())

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 from ..adapters import Adapter, BlockGroup, get_adapter, unwrap_model
 from ..codecs.bitpack import mask_scale
 from ..schema import BlockTrace, ModelTrace, OpSpec
+from .kept import side_nbytes
 from .ops import (
     NATIVE_DROPOUT,
     OpKeyer,
@@ -42,6 +43,7 @@ class _Rec:
     random: bool
     ranks: str = ""
     native_mask: bool = False  # native_dropout: (output, bool mask)
+    side: int = 0  # what a compressed entry keeps besides the first output's payload
     read: bool = False  # some op other than an in-place one has used the output
     fills: int = 0  # in-place ops on the output before it was read
     random_fill: bool = False  # one of them drew from an RNG (CPU dropout's noise)
@@ -130,6 +132,7 @@ class _Recorder(TorchDispatchMode):
             random=is_random(func),
             ranks=shape_class(tensors),
             native_mask=func is NATIVE_DROPOUT,
+            side=side_nbytes(out),
         )
         for t in tensors:
             if t.numel():
@@ -325,6 +328,7 @@ def record_block(
             aten=r.aten,
             shape_class=r.ranks,
             mask=r.mask,
+            side_nbytes=0 if r.mask else r.side,  # a mask is kept alone (bit-packed)
         )
         for r, t in zip(rec.recs, types, strict=True)
     ]

@@ -144,6 +144,9 @@ class OpSpec:
     block traced with one op more or fewer, a different attention path). ``mask``: the op makes
     a random keep-mask (``native_dropout``'s bool mask, or a tensor an RNG op fills in place, as
     CPU dropout does) that ``bitpack`` stores at 1 bit per element; the runtime replays the RNG.
+    ``nbytes`` counts every tensor output; ``shape`` and ``dtype`` are the first's, the one a codec
+    compresses. ``side_nbytes``: what compressing the op keeps besides that payload (its other
+    outputs: layer norm's mean and rstd, attention's log-sum-exp; 0 for a mask).
     """
 
     key: str
@@ -156,6 +159,8 @@ class OpSpec:
     aten: str = ""  # the op overload ("" in policies written before signatures existed)
     shape_class: str = ""  # ranks of the tensor outputs ("" in older policies)
     mask: bool = False  # a random keep-mask (see above)
+    # what compressing the op keeps besides its codec's payload: its other outputs (see above)
+    side_nbytes: int = 0
 
     @property
     def numel(self) -> int:
@@ -181,6 +186,8 @@ class OpSpec:
             d["shape_class"] = self.shape_class
         if self.mask:
             d["mask"] = True
+        if self.side_nbytes:
+            d["side_nbytes"] = self.side_nbytes
         return d
 
     @classmethod
@@ -196,6 +203,7 @@ class OpSpec:
             aten=str(obj.get("aten", "")),
             shape_class=str(obj.get("shape_class", "")),
             mask=bool(obj.get("mask", False)),
+            side_nbytes=int(obj.get("side_nbytes", 0)),
         )
 
 

@@ -97,7 +97,12 @@ def choices_for(
         if max_rel_error is not None and not cp.rel_error <= max_rel_error:
             continue
         cands.append(
-            Choice(f"compress:{name}", Action.compress(name, **cp.params), cp.ms, cp.nbytes)
+            Choice(
+                f"compress:{name}",
+                Action.compress(name, **cp.params),
+                cp.ms,
+                cp.nbytes + op.side_nbytes,  # the op's other outputs stay exact
+            )
         )
     cands.append(Choice("recompute", Action.recompute(), op.fwd_ms, 0))
 
@@ -302,14 +307,14 @@ def block_loads(
                     t.append(op.fwd_ms)
                 elif act.codec in op.codecs:
                     cp = op.codecs[act.codec]
-                    b += cp.nbytes
+                    b += cp.nbytes + op.side_nbytes
                     t.append(cp.ms)
                     enc_ws = max(enc_ws, cp.encode_workspace_nbytes)
                     dec_ws = max(dec_ws, cp.decode_workspace_nbytes)
                 else:
                     codec = get_codec(act.codec, **dict(act.params))
                     dtype = getattr(torch, op.dtype.removeprefix("torch."))
-                    b += codec.predict_nbytes(op.shape, dtype)
+                    b += codec.predict_nbytes(op.shape, dtype) + op.side_nbytes
                     unprofiled.append(f"{name}/{op.key}:{act.codec}")
             key = variant_key(name, v)
             load = BlockLoad(name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key)
