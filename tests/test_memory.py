@@ -123,6 +123,9 @@ def _compress_every_profiled_op(model, batch, prof):
     return policy
 
 
+KINDS = ("retain", "recompute", "compress")
+
+
 @pytest.mark.parametrize(
     "family, seq_len, overrides",
     [
@@ -132,9 +135,11 @@ def _compress_every_profiled_op(model, batch, prof):
     ],
 )
 def test_cost_model_prices_the_held_bytes_of_compressed_ops_exactly(family, seq_len, overrides):
-    """Measured on real storages, each block holds what the cost model charges it for a policy
-    that compresses every op it can: the codec's payload plus the op's other outputs the runtime
-    keeps exact (layer norm's mean and rstd, attention's log-sum-exp), or only a dropout mask."""
+    """Measured on real storages, each block holds what the cost model charges it: for a policy
+    that compresses every op the profile measured a codec on (the codec's payload plus the op's
+    other outputs the runtime keeps exact: layer norm's mean and rstd, attention's log-sum-exp;
+    only the mask of a dropout), and for random retain / compress / recompute mixes (codecs the
+    profile did not measure sized by their own formulas)."""
     model = assets.tiny_model(family, **overrides)
     batch = assets.tiny_batch(family, model, seq_len=seq_len)
     prof = profile_model(model, batch, codecs=["int4_naive", "bitpack"], repeats=1)
@@ -148,15 +153,18 @@ def test_cost_model_prices_the_held_bytes_of_compressed_ops_exactly(family, seq_
         assert "aten.native_layer_norm.default" in sides
     if seq_len == 128:
         assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in sides
-    loads, _, unprofiled = block_loads(prof, policy)
-    assert not unprofiled
-    with apply_adacc(model, policy) as handle:
-        measured = activation_memory_report(model, batch)
-        groups = {path: rt.group for path, rt in handle.runtimes.items()}
-    seen: dict[str, int] = {}
-    for path, held in measured.blocks.items():
-        i = seen[groups[path]] = seen.get(groups[path], -1) + 1
-        assert held == loads[groups[path]][i].held, (path, held, loads[groups[path]][i])
+    mixes = [random_policy(model, batch, seed=s, kinds=KINDS) for s in range(2)]
+    for i, p in enumerate([policy, *mixes]):
+        loads, _, unprofiled = block_loads(prof, p)
+        assert i or not unprofiled
+        with apply_adacc(model, p) as handle:
+            measured = activation_memory_report(model, batch)
+            groups = {path: rt.group for path, rt in handle.runtimes.items()}
+        seen: dict[str, int] = {}
+        for path, held in measured.blocks.items():
+            g = groups[path]
+            j = seen[g] = seen.get(g, -1) + 1
+            assert held == loads[g][j].held, (i, path, held, loads[g][j])
 
 
 def test_measure_activation_memory_counts_saved_tensors_once():

@@ -64,8 +64,10 @@ class Encoded:
     order: tuple[int, ...] | None = None
 
     def nbytes(self) -> int:
-        """Exact payload size in bytes (python metadata not counted)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Exact bytes the encoding holds on the device: the payload and any tensor in ``meta``
+        (int4_outlier's outlier count); python metadata is not counted."""
+        held = [*self.tensors.values(), *(v for v in self.meta.values() if torch.is_tensor(v))]
+        return sum(t.numel() * t.element_size() for t in held)
 
     @property
     def device(self) -> torch.device:

@@ -152,4 +152,5 @@ class Int4OutlierCodec(Codec):
         rows, channels = rows_channels(shape)
         k = self.capacity(channels)
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        return groups_nbytes(rows, channels, self.group_size) + rows * k * itemsize + k * 4
+        # outlier values, their int32 channel indices, the int32 outlier count
+        return groups_nbytes(rows, channels, self.group_size) + rows * k * itemsize + k * 4 + 4
