@@ -125,5 +125,5 @@ def test_fp8_runs_end_to_end_through_profiler_runtime_and_tracking():
     assert torch.equal(out.logits, ref_out.logits)
     assert 0 < grad_rel_error(grads, ref_grads) < 0.05
     new_prof, _ = tracker.apply(prof)
-    assert any(k[2] == "fp8_e4m3" for k in tracker.samples)
+    assert any(k[2] == "fp8_e4m3" for k in tracker.stats)
     assert new_prof.groups.keys() == prof.groups.keys()

@@ -4,25 +4,25 @@ Outlier statistics move early in training and settle later, so tracking follows 
 backoff: tracking steps 1, 2, 4, 8, ... apart, up to `max_interval` (reset to 1 when the policy
 changes). On a tracking step the runtime hands every op that has a profiled codec the solver could
 choose to an `OutlierTracker` during that step's normal forward (no extra forward): the codec's
-encoded size and error are measured on the live activation of every checkpointed block. The errors and outlier
-counts stay on the device until the step is over and are read in one transfer (the training step
-itself never waits for the device). `apply` folds the means into a copy of the `Profile`, which
-the solver turns into the next policy.
+encoded size and error are measured on the live activation of every checkpointed block. The worst
+errors and the outlier counts accumulate on the device until the step is over and are read in one
+transfer (the training step itself never waits for the device). `apply_stats` folds them into a
+copy of the `Profile`, which the solver turns into the next policy.
 """
 
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .codecs import Codec, get_codec, relative_error
+from .codecs.base import ERROR_CHUNK
 from .policy import Policy
 from .runtime.ops import cache_target
-from .schema import Profile
+from .schema import CodecProfile, OpProfile, Profile
 from .solver import StaticMemory, predict
 from .solver.cost_model import codec_can_pay
 
@@ -64,51 +64,107 @@ class TrackingSchedule:
         return cls(**d)
 
 
-@dataclass
-class _Sample:
-    nbytes: int
-    rel_error: float
-    n_outliers: int
-    numel: int  # of the tensor the codec compressed (sizes scale to other shapes per element)
+_ROW_NBYTES = 8  # one tracked (op, codec): its worst error and outlier count, float32
+_GRANULE = {"cuda": 512}  # the caching allocator's smallest block
+
+#: Bytes per element of one `relative_error` piece alive at once (float32 copies of the input and
+#: the decoded piece, their masks, the masked difference and its square).
+_ERROR_BYTES_PER_ELEMENT = 20
+
+
+def tracking_nbytes(op: OpProfile, cp: CodecProfile) -> int:
+    """The most measuring codec `cp` on op `op`'s output allocates at once on a tracking step: the
+    payload, then beside it the encode's workspace, or the decoded copy beside the decode's
+    workspace or the error's pieces."""
+    itemsize = torch.empty(0, dtype=getattr(torch, op.dtype.removeprefix("torch."))).element_size()
+    pieces = min(op.numel, ERROR_CHUNK) * _ERROR_BYTES_PER_ELEMENT
+    decoded = op.numel * itemsize + max(cp.decode_workspace_nbytes, pieces)
+    return cp.nbytes + max(cp.encode_workspace_nbytes, decoded)
+
+
+@dataclass(frozen=True)
+class CodecStats:
+    """What tracking measured of one (group, op, codec), over `n` samples."""
+
+    n: int
+    per_element: float  # sum of the payload's bytes per element compressed
+    rel_error: float  # the worst
+    outliers: float  # sum of the outlier counts
+
+    def merge(self, other: CodecStats) -> CodecStats:
+        return CodecStats(
+            self.n + other.n,
+            self.per_element + other.per_element,
+            max(self.rel_error, other.rel_error),
+            self.outliers + other.outliers,
+        )
 
 
 class OutlierTracker:
-    """Collects each profiled codec's encoded size and error on live activations of one forward:
+    """Measures each profiled codec's encoded size and error on live activations of one step:
     the codecs the solver could choose for their op under some size and error
     (`solver.cost_model.codec_can_pay`); a codec slower than recomputing its op is not measured,
     as nothing it measures could make it chosen.
 
-    At most `max_samples` per op and codec are kept (a custom loop that never calls
+    Sizes are host numbers; the worst error and the outlier count of each (op, codec) accumulate
+    in place in one small device buffer (8 bytes per pair), so a tracking step holds no more
+    memory however many blocks it measures and never waits for the device. The session passes
+    what its budget leaves above the plan's peak (`room`, for the buffer) and above its block
+    forwards (`forward_room`): an (op, codec) whose row or whose measurement (`tracking_nbytes`,
+    beside the buffer) would not fit is not measured. At most
+    `max_samples` per op and codec are measured (a custom loop that never calls
     ``session.step_done`` then stops paying for tracking once enough is measured)."""
 
-    def __init__(self, profile: Profile, max_samples: int = 256) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        max_samples: int = 256,
+        *,
+        room: int | None = None,
+        forward_room: int | None = None,
+    ) -> None:
         self.max_samples = max_samples
         self.codecs: dict[tuple[str, str], list[Codec]] = {}
         self.masks: set[tuple[str, str]] = set()
+        self.rows: dict[tuple[str, str, str], int] = {}
+        granule = _GRANULE.get(profile.device.split(":")[0], 1)
+        self.buffer_nbytes = 0  # the device buffer's bytes, its allocator's rounding included
         for g in profile.groups.values():
             for op in g.ops:
-                # a codec slower than recomputing its op is never chosen, whatever it measures
-                useful = [c for c in op.codecs.values() if codec_can_pay(op, c)]
+                useful = []
+                # a codec slower than recomputing its op is never chosen, whatever it measures;
+                # a lossless one would measure what the profile has (its size is the shape's)
+                for c in op.codecs.values():
+                    if not codec_can_pay(op, c) or get_codec(c.codec, **c.params).lossless:
+                        continue
+                    buffer = -(-(len(self.rows) + 1) * _ROW_NBYTES // granule) * granule
+                    if room is not None and buffer > room:
+                        continue  # its row would not fit beside the plan's peak
+                    if forward_room is not None and tracking_nbytes(op, c) + buffer > forward_room:
+                        continue  # measuring would not fit beside the plan's forward
+                    self.rows[(g.name, op.key, c.codec)] = len(self.rows)
+                    self.buffer_nbytes = buffer
+                    useful.append(c)
                 if useful:
                     self.codecs[(g.name, op.key)] = [get_codec(c.codec, **c.params) for c in useful]
                     if op.mask:
                         self.masks.add((g.name, op.key))
-        self._samples: dict[tuple[str, str, str], list[_Sample]] = defaultdict(list)
-        self._counts: dict[tuple[str, str, str], int] = defaultdict(int)
-        # (key, encoded bytes, error, outlier count): device scalars, read in one transfer
-        self._pending: list[tuple[tuple[str, str, str], int, torch.Tensor, torch.Tensor, int]] = []
+        self._n = [0] * len(self.rows)
+        self._per_element = [0.0] * len(self.rows)
+        self._device_stats: torch.Tensor | None = None  # (rows, 2): worst error, outlier sum
 
     @property
-    def samples(self) -> dict[tuple[str, str, str], list[_Sample]]:
-        """Every measurement so far, per (group, op, codec); reading it waits for the device once
-        (the first read after a tracking step)."""
-        if self._pending:
-            errs = torch.stack([p[2] for p in self._pending]).tolist()
-            outl = torch.stack([p[3] for p in self._pending]).tolist()
-            for (key, nbytes, _, _, numel), err, n in zip(self._pending, errs, outl, strict=True):
-                self._samples[key].append(_Sample(nbytes, float(err), int(n), numel))
-            self._pending.clear()
-        return self._samples
+    def stats(self) -> dict[tuple[str, str, str], CodecStats]:
+        """Everything measured so far, per (group, op, codec); reading it waits for the device
+        once."""
+        if self._device_stats is None:
+            return {}
+        errs, outl = self._device_stats.T.tolist()
+        return {
+            k: CodecStats(self._n[i], self._per_element[i], errs[i], outl[i])
+            for k, i in self.rows.items()
+            if self._n[i]
+        }
 
     def observe(self, group: str, key: str, out: Any, encoded: Any = None) -> None:
         """Measure the codecs of op `key` on its output `out` (reusing the runtime's `encoded`
@@ -119,43 +175,51 @@ class OutlierTracker:
         x = cache_target((group, key) in self.masks, out)
         if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.dtype == torch.bool):
             return
+        if self._device_stats is None:
+            self._device_stats = torch.zeros(len(self.rows), 2, device=x.device)
         for codec in codecs:
-            k3 = (group, key, codec.name)
-            if self._counts[k3] >= self.max_samples or not codec.applicable(x):
+            row = self.rows[(group, key, codec.name)]
+            if self._n[row] >= self.max_samples or not codec.applicable(x):
                 continue
-            self._counts[k3] += 1
+            self._n[row] += 1
             enc = encoded if getattr(encoded, "codec", None) == codec.name else codec.encode(x)
-            err = relative_error(x, codec.decode(enc))
+            self._per_element[row] += enc.nbytes() / max(1, x.numel())
+            worst = self._device_stats[row, 0]
+            torch.maximum(worst, relative_error(x, codec.decode(enc)), out=worst)
             count = enc.meta.get("outlier_count")
-            if count is None:
-                count = torch.zeros((), dtype=torch.int32, device=x.device)
-            self._pending.append((k3, enc.nbytes(), err, count, x.numel()))
+            if count is not None:
+                self._device_stats[row, 1] += count
 
     def apply(self, profile: Profile) -> tuple[Profile, list[str]]:
-        """A copy of `profile` with every observed codec's mean payload (per element of what it
-        compressed, so a profile of another shape takes it too) and worst error, and a list of
-        human-readable changes (size change > 1 %, error change > 10 %)."""
-        new = copy.deepcopy(profile)
-        changes = []
-        for (group, key, codec), samples in self.samples.items():
-            g = new.groups.get(group)
-            op = next((o for o in g.ops if o.key == key), None) if g is not None else None
-            if op is None or codec not in op.codecs:  # seen under another bucket's ops
-                continue
-            cp = op.codecs[codec]
-            per_element = sum(s.nbytes / max(1, s.numel) for s in samples) / len(samples)
-            nbytes = round(per_element * op.numel)
-            err = max(s.rel_error for s in samples)
-            outl = round(sum(s.n_outliers for s in samples) / len(samples))
-            if abs(nbytes - cp.nbytes) > 0.01 * cp.nbytes or (
-                abs(err - cp.rel_error) > 0.1 * max(cp.rel_error, 1e-6)
-            ):
-                changes.append(
-                    f"{group}:{key} {codec}: {cp.nbytes} -> {nbytes} B, error "
-                    f"{cp.rel_error:.3g} -> {err:.3g}, outliers {cp.n_outliers} -> {outl}"
-                )
-            cp.nbytes, cp.rel_error, cp.n_outliers = nbytes, err, outl
-        return new, changes
+        """`apply_stats` with this tracker's measurements."""
+        return apply_stats(profile, self.stats)
+
+
+def apply_stats(
+    profile: Profile, stats: dict[tuple[str, str, str], CodecStats]
+) -> tuple[Profile, list[str]]:
+    """A copy of `profile` with every observed codec's mean payload (per element of what it
+    compressed, so a profile of another shape takes it too) and worst error, and a list of
+    human-readable changes (size change > 1 %, error change > 10 %)."""
+    new = copy.deepcopy(profile)
+    changes = []
+    for (group, key, codec), st in stats.items():
+        g = new.groups.get(group)
+        op = next((o for o in g.ops if o.key == key), None) if g is not None else None
+        if op is None or codec not in op.codecs:  # seen under another bucket's ops
+            continue
+        cp = op.codecs[codec]
+        nbytes = round(st.per_element / st.n * op.numel)
+        err, outl = st.rel_error, round(st.outliers / st.n)
+        if abs(nbytes - cp.nbytes) > 0.01 * cp.nbytes or (
+            abs(err - cp.rel_error) > 0.1 * max(cp.rel_error, 1e-6)
+        ):
+            changes.append(
+                f"{group}:{key} {codec}: {cp.nbytes} -> {nbytes} B, error "
+                f"{cp.rel_error:.3g} -> {err:.3g}, outliers {cp.n_outliers} -> {outl}"
+            )
+        cp.nbytes, cp.rel_error, cp.n_outliers = nbytes, err, outl
+    return new, changes
 
 
 def should_switch(

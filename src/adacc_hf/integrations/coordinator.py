@@ -5,7 +5,7 @@
   lockstep (under ZeRO-3 / FSDP the profiling forwards all-gather parameters, so all ranks run them
   together); only the leader (rank ``src``) solves and decides, and `share` hands its policy to
   every rank, so all run the same policy (same `Policy.fingerprint()`) and switch at the same step.
-  `merge` folds every rank's tracking samples (rank order) into one tracker, identical on all
+  `merge` folds every rank's tracking statistics (rank order) into one set, identical on all
   ranks. A leader that fails releases the other ranks: they raise instead of waiting forever.
 
 `coordinator_for_process()` picks the right one for the current process.
@@ -24,7 +24,9 @@ from ..errors import AdaccError
 from ..policy import Policy
 
 if TYPE_CHECKING:
-    from ..evolution import OutlierTracker
+    from ..evolution import CodecStats
+
+    TrackedStats = dict[tuple[str, str, str], CodecStats]
 
 __all__ = [
     "Coordinator",
@@ -58,9 +60,9 @@ class Coordinator:
         """The leader's `decide()`, on every rank."""
         return decide()
 
-    def merge(self, tracker: OutlierTracker) -> OutlierTracker:
-        """`tracker` with every rank's samples."""
-        return tracker
+    def merge(self, stats: TrackedStats) -> TrackedStats:
+        """Every rank's tracking `stats` folded into one (identical on every rank)."""
+        return stats
 
     def agree(self, values: tuple[int, ...]) -> tuple[int, ...]:
         """The elementwise largest `values` of every rank (a batch's bucket)."""
@@ -68,7 +70,7 @@ class Coordinator:
 
 
 class DistributedCoordinator(Coordinator):
-    """Rank `src` decides; object collectives hand its policy and everyone's samples around."""
+    """Rank `src` decides; object collectives hand its policy and everyone's statistics around."""
 
     def __init__(self, src: int = 0) -> None:
         if not is_distributed():
@@ -107,14 +109,14 @@ class DistributedCoordinator(Coordinator):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return tuple(int(v) for v in t.tolist())  # once per forward; a tiny collective
 
-    def merge(self, tracker: OutlierTracker) -> OutlierTracker:
+    def merge(self, stats: TrackedStats) -> TrackedStats:
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, dict(tracker.samples))
-        tracker.samples.clear()
-        for samples in gathered:
-            for key, values in samples.items():
-                tracker.samples[key].extend(values)
-        return tracker
+        dist.all_gather_object(gathered, stats)
+        merged: TrackedStats = {}
+        for rank_stats in gathered:  # rank order
+            for key, st in rank_stats.items():
+                merged[key] = merged[key].merge(st) if key in merged else st
+        return merged
 
 
 def coordinator_for_process(src: int = 0) -> Coordinator:
