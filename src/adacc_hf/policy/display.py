@@ -92,7 +92,7 @@ def describe(policy: Policy) -> str:
     if "peak_nbytes" in pred:
         parts.append(f"predicted peak {pred['peak_nbytes'] / 2**30:.2f} GiB")
     if "added_ms" in pred:
-        parts.append(f"+{pred['added_ms']:.1f} ms/step")
+        parts.append(f"{pred['added_ms']:+.1f} ms/step")
     parts.append(", ".join(f"{k} {v}" for k, v in totals(policy).items()))
     return "; ".join(parts)
 
