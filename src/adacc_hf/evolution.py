@@ -111,9 +111,9 @@ class OutlierTracker:
     memory however many blocks it measures and never waits for the device. The session passes
     what its budget leaves above the plan's peak (`room`, for the buffer) and above its block
     forwards (`forward_room`): an (op, codec) whose row or whose measurement (`tracking_nbytes`,
-    beside the buffer) would not fit is not measured. At most
-    `max_samples` per op and codec are measured (a custom loop that never calls
-    ``session.step_done`` then stops paying for tracking once enough is measured)."""
+    beside the buffer) would not fit is not measured. At most `max_samples` per op and codec are
+    measured (a custom loop that never calls ``session.step_done`` then stops paying for tracking
+    once enough is measured)."""
 
     def __init__(
         self,
