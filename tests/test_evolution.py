@@ -8,7 +8,7 @@ import torch
 
 from adacc_hf import assets, estimate_static_memory, measure_step_peak, profile_model
 from adacc_hf.codecs import get_codec
-from adacc_hf.evolution import OutlierTracker, TrackingSchedule
+from adacc_hf.evolution import OutlierTracker, TrackingSchedule, apply_stats
 from adacc_hf.integrations.config import AdaccConfig
 from adacc_hf.integrations.session import AdaccSession
 from adacc_hf.integrations.shapes import shape_key
@@ -218,7 +218,7 @@ def test_tracking_the_profiled_batch_moves_no_codec_size(family, overrides):
     model(**batch).loss.backward()
     session.close()
     assert tracker.stats
-    tracked, changes = tracker.apply(prof)
+    tracked, changes = apply_stats(prof, tracker.stats)
     sizes = {
         (g.name, op.key, c.codec): c.nbytes
         for g in tracked.groups.values() for op in g.ops for c in op.codecs.values()

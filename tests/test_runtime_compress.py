@@ -94,7 +94,7 @@ def test_fp8_runs_end_to_end_through_profiler_runtime_and_tracking():
     from conftest import grad_rel_error
 
     from adacc_hf import assets, profile_model
-    from adacc_hf.evolution import OutlierTracker
+    from adacc_hf.evolution import OutlierTracker, apply_stats
     from adacc_hf.schema import CODEC_FOR_LAYER
 
     model = assets.tiny_model("llama", hidden_size=256, intermediate_size=512)
@@ -124,6 +124,6 @@ def test_fp8_runs_end_to_end_through_profiler_runtime_and_tracking():
                     assert nbytes == fp8.predict_nbytes(op.shape, torch.float32) + op.nbytes - main
     assert torch.equal(out.logits, ref_out.logits)
     assert 0 < grad_rel_error(grads, ref_grads) < 0.05
-    new_prof, _ = tracker.apply(prof)
+    new_prof, _ = apply_stats(prof, tracker.stats)
     assert any(k[2] == "fp8_e4m3" for k in tracker.stats)
     assert new_prof.groups.keys() == prof.groups.keys()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .codecs import Codec, get_codec, relative_error
+from .codecs import Codec, dtype_named, get_codec, relative_error
 from .codecs.base import ERROR_CHUNK
 from .policy import Policy
 from .runtime.ops import cache_target
@@ -76,10 +76,20 @@ def tracking_nbytes(op: OpProfile, cp: CodecProfile) -> int:
     """The most measuring codec `cp` on op `op`'s output allocates at once on a tracking step: the
     payload, then beside it the encode's workspace, or the decoded copy beside the decode's
     workspace or the error's pieces."""
-    itemsize = torch.empty(0, dtype=getattr(torch, op.dtype.removeprefix("torch."))).element_size()
     pieces = min(op.numel, ERROR_CHUNK) * _ERROR_BYTES_PER_ELEMENT
-    decoded = op.numel * itemsize + max(cp.decode_workspace_nbytes, pieces)
+    decoded = op.numel * dtype_named(op.dtype).itemsize + max(cp.decode_workspace_nbytes, pieces)
     return cp.nbytes + max(cp.encode_workspace_nbytes, decoded)
+
+
+def tracking_room(
+    profile: Profile, policy: Policy, static: StaticMemory, accumulation: int, budget_nbytes: int
+) -> tuple[int, int]:
+    """What a tracking step under `policy` may hold all step long (the budget above its predicted
+    peak: `OutlierTracker`'s ``room``) and allocate at once mid-forward (above its highest
+    block-forward moment: ``forward_room``)."""
+    pred = predict(profile, policy, static, accumulation, measured_ms=False)
+    forward = max((v for k, v in pred.moments.items() if k.startswith("forward:")), default=0)
+    return max(0, budget_nbytes - pred.peak_nbytes), max(0, budget_nbytes - forward)
 
 
 @dataclass(frozen=True)
@@ -131,11 +141,12 @@ class OutlierTracker:
         self.buffer_nbytes = 0  # the device buffer's bytes, its allocator's rounding included
         for g in profile.groups.values():
             for op in g.ops:
-                useful = []
+                useful: list[Codec] = []
                 # a codec slower than recomputing its op is never chosen, whatever it measures;
                 # a lossless one would measure what the profile has (its size is the shape's)
                 for c in op.codecs.values():
-                    if not codec_can_pay(op, c) or get_codec(c.codec, **c.params).lossless:
+                    codec = get_codec(c.codec, **c.params)
+                    if not codec_can_pay(op, c) or codec.lossless:
                         continue
                     buffer = -(-(len(self.rows) + 1) * _ROW_NBYTES // granule) * granule
                     if room is not None and buffer > room:
@@ -144,9 +155,9 @@ class OutlierTracker:
                         continue  # measuring would not fit beside the plan's forward
                     self.rows[(g.name, op.key, c.codec)] = len(self.rows)
                     self.buffer_nbytes = buffer
-                    useful.append(c)
+                    useful.append(codec)
                 if useful:
-                    self.codecs[(g.name, op.key)] = [get_codec(c.codec, **c.params) for c in useful]
+                    self.codecs[(g.name, op.key)] = useful
                     if op.mask:
                         self.masks.add((g.name, op.key))
         self._n = [0] * len(self.rows)
@@ -189,10 +200,6 @@ class OutlierTracker:
             count = enc.meta.get("outlier_count")
             if count is not None:
                 self._device_stats[row, 1] += count
-
-    def apply(self, profile: Profile) -> tuple[Profile, list[str]]:
-        """`apply_stats` with this tracker's measurements."""
-        return apply_stats(profile, self.stats)
 
 
 def apply_stats(

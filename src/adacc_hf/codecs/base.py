@@ -243,6 +243,11 @@ def payload_finite(enc: Encoded) -> bool:
     )
 
 
+def dtype_named(name: str) -> torch.dtype | None:
+    """The torch dtype a profile or policy names (``"torch.bfloat16"``); None if torch has none."""
+    return getattr(torch, name.removeprefix("torch."), None)
+
+
 def sentinel_limit(dtype: torch.dtype) -> float:
     """Magnitudes from here on are sentinels (masks), not values: a quarter of the dtype's range."""
     return torch.finfo(dtype).max / 4 if dtype.is_floating_point else float("inf")

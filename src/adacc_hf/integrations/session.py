@@ -20,7 +20,13 @@ from torch import nn
 
 from ..adapters import unwrap_model
 from ..errors import AdaccError, BudgetError
-from ..evolution import OutlierTracker, TrackingSchedule, apply_stats, should_switch
+from ..evolution import (
+    OutlierTracker,
+    TrackingSchedule,
+    apply_stats,
+    should_switch,
+    tracking_room,
+)
 from ..policy import Policy
 from ..policy.display import describe, metrics
 from ..profiler import BlockProbe, measure_policy, profile_model
@@ -320,21 +326,14 @@ class AdaccSession:
             and self.profile is not None
             and self.schedule.is_tracking_step(step)
         ):
-            room, forward_room = self._tracking_room()
-            self._tracker = OutlierTracker(self.profile, room=room, forward_room=forward_room)
+            room: tuple[int | None, int | None] = (None, None)  # None: no budget in bytes yet
+            if self.budget_nbytes is not None and self.policy is not None:
+                acc = self.config.gradient_accumulation_steps
+                room = tracking_room(
+                    self.profile, self.policy, self._static(), acc, self.budget_nbytes
+                )
+            self._tracker = OutlierTracker(self.profile, room=room[0], forward_room=room[1])
             self.handle.set_tracker(self._tracker)
-
-    def _tracking_room(self) -> tuple[int | None, int | None]:
-        """What a tracking step may hold all step long (the budget above the plan's predicted
-        peak) and allocate at once mid-forward (above its highest block-forward moment); None:
-        no budget in bytes yet."""
-        if self.budget_nbytes is None or self.policy is None:
-            return None, None
-        acc = self.config.gradient_accumulation_steps
-        pred = predict(self.profile, self.policy, self._static(), acc, measured_ms=False)
-        forward = max((v for k, v in pred.moments.items() if k.startswith("forward:")), default=0)
-        budget = self.budget_nbytes
-        return max(0, budget - pred.peak_nbytes), max(0, budget - forward)
 
     def on_step_end(self, step: int) -> AdaccEvent | None:
         """Call after optimizer step `step`: on tracking steps, re-solve and maybe switch."""

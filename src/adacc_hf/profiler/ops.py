@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..codecs import Codec, get_codec, has_sentinels, payload_finite, relative_error
+from ..codecs import Codec, dtype_named, get_codec, has_sentinels, payload_finite, relative_error
 from ..runtime.ops import cache_target, storage_id, tensor_outputs
 from ..runtime.overhead import dispatch_overhead_ms
 from ..runtime.peak import AllocationTracker
@@ -120,7 +120,7 @@ def scaled(ops: list[OpSpec], outputs: list, outs: set[int], ref: GroupProfile) 
                 t.numel() * t.element_size() for t in tensors if t.numel() and storage_id(t) in outs
             ),
         )
-        dtype = getattr(torch, op.dtype.removeprefix("torch."), None)
+        dtype = dtype_named(op.dtype)
         masked = bool(tensors) and has_sentinels(cache_target(op.mask, raw))
         for name, cp in {} if masked else r.codecs.items():
             codec = get_codec(name, **cp.params)

@@ -21,9 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
-from ..codecs import get_codec
+from ..codecs import dtype_named, get_codec
 from ..errors import PolicyError
 from ..policy import Policy
 from ..schema import (
@@ -313,8 +311,7 @@ def block_loads(
                     dec_ws = max(dec_ws, cp.decode_workspace_nbytes)
                 else:
                     codec = get_codec(act.codec, **dict(act.params))
-                    dtype = getattr(torch, op.dtype.removeprefix("torch."))
-                    b += codec.predict_nbytes(op.shape, dtype) + op.side_nbytes
+                    b += codec.predict_nbytes(op.shape, dtype_named(op.dtype)) + op.side_nbytes
                     unprofiled.append(f"{name}/{op.key}:{act.codec}")
             key = variant_key(name, v)
             load = BlockLoad(name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key)
