@@ -51,12 +51,6 @@ def _grad_nbytes(modules: Iterable[nn.Module]) -> int:
     return total
 
 
-def _group_of(groups: list, base: nn.Module, adapter: Any) -> list:
-    """Each block's group, in forward order."""
-    by_id = {id(m): g for g in groups for m in g.modules}
-    return [by_id[id(mod)] for _, mod in adapter.find_blocks(base)]
-
-
 def profile_model(
     model: nn.Module,
     sample_batch: Mapping[str, Any],
@@ -141,10 +135,6 @@ def profile_model(
     blocks_grads = sum(gp.grad_nbytes * gp.num_blocks for gp in gprofs.values())
     nonblock_grads = max(0, _grad_nbytes([base]) - blocks_grads)
     timeline = mem.timeline
-    if timeline is not None:  # gradients alive when each block's backward starts: those after it
-        per_block = [gprofs[g.name].grad_nbytes for g in _group_of(groups, base, adapter)]
-        after = [sum(per_block[j + 1 :]) for j in range(len(per_block))]
-        timeline.grads = [nonblock_grads + a for a in after]
     shapes = {k: list(v.shape) for k, v in sample_batch.items() if isinstance(v, torch.Tensor)}
     dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
     dev_name = str(device)

@@ -104,6 +104,12 @@ class _Run:
         self.tracker = AllocationTracker(next(base.parameters()).device)
         self.order: list[str] = []  # blocks in backward order (their start marks)
         self.outputs: dict[str, int] = {}
+        # Gradient bytes computed when each block's backward starts (in forward order of marks):
+        # measured, as which non-block gradients exist by then depends on the model (a head's
+        # before the blocks; embeddings' only at the end; a tied weight's at the end, its head
+        # share waiting inside autograd and counted in the level).
+        self.grads_at: dict[str, int] = {}
+        made = [0]
         tracker = self.tracker
 
         def hooks(path: str, block: nn.Module):
@@ -122,6 +128,7 @@ class _Run:
 
                         def start(g):
                             self.order.append(path)
+                            self.grads_at[path] = made[0]
                             tracker.mark(f"start:{path}")
 
                         y.register_hook(start)
@@ -136,8 +143,22 @@ class _Run:
             tracker.mark("forward_end")
             self.report = report()
             if backward:
+
+                def counter(p: torch.Tensor) -> Any:
+                    n = p.numel() * p.element_size()
+
+                    def computed(g: torch.Tensor) -> None:
+                        made[0] += n
+
+                    return computed
+
+                counted = [p.register_hook(counter(p)) for p in params]
                 tracker.mark("backward_start")
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                try:
+                    grads = torch.autograd.grad(loss, params, allow_unused=True)
+                finally:
+                    for h in counted:
+                        h.remove()
                 tracker.mark("backward_end")
                 del grads
             del loss
@@ -150,8 +171,8 @@ class _Run:
         return max(0, t.peak(f"fpre:{path}", f"fpost:{path}") - t.level(f"fpre:{path}"))
 
     def timeline(self, paths: list[str]) -> Timeline:
-        """The run's levels at its marks, blocks in forward order (`paths`); ``grads`` is left for
-        the caller (the parameters' gradient sizes are known exactly)."""
+        """The run's levels at its marks and the gradients computed by each block's backward start,
+        blocks in forward order (`paths`)."""
         t = self.tracker
 
         def level(name: str, default: int = 0) -> int:
@@ -179,6 +200,7 @@ class _Run:
             loss_peak=t.peak(last_fwd if t.has(last_fwd) else None, "forward_end"),
             head_peak=t.peak("backward_start", first_bwd),
             tail_peak=t.peak(end_first, "backward_end"),
+            grads=[self.grads_at.get(p, 0) for p in paths],
             forward_gap=[gap(f"fpost:{p}", f"fpre:{q}") for p, q in pairs],
             backward_gap=[gap(f"end:{q}", f"start:{p}") for p, q in pairs],
         )
