@@ -62,7 +62,9 @@ def e4m3_bits_to_f32(c):
     nrm = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     v = tl.where(e == 0, sub, nrm)
     v = tl.where((c & 0x7F) == 0x7F, float("nan"), v)
-    return tl.where((c & 0x80) != 0, -v, v)
+    # the sign as a bit: Triton compiles ``-v`` as ``0 - v``, which is +0.0 for code 0x80 on a
+    # GPU (the interpreter negates, so only a GPU run showed it)
+    return with_sign(v, (c & 0x80) != 0)
 
 
 @triton.jit
