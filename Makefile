@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # On a machine without CUDA, pin the local CPU build of torch so pip never pulls CUDA wheels.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo memory-demo test test-all test-dist bench-cpu bench-dispatch accuracy bench-codecs plan-sweep max-batch families-table lint format clean
+.PHONY: setup demo memory-demo test test-all test-dist gpu-first bench-cpu bench-dispatch accuracy bench-codecs plan-sweep max-batch families-table lint format clean
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,12 @@ test-all: setup
 # Adacc on 2 CPU processes over gloo: DDP, FSDP2, DeepSpeed ZeRO-2/3 (first run compiles DeepSpeed's ops)
 test-dist: setup
 	$(PY) -m pytest -q tests/test_distributed.py
+
+# The first GPU check (<= 8 min on one H100 / H200): tests on CUDA, codec bandwidth, step peaks
+# against prediction and budget, tokens/s against HF's knobs. On the lent machine, see
+# benchmarks/gpu_suite.sh's header for the wheels to carry.
+gpu-first:
+	PYTHONPATH=src python3 benchmarks/gpu_first.py
 
 # Strategies side by side on CPU-sized models (throughput, memory, largest micro-batch); < 10 min.
 bench-cpu: setup

@@ -1,8 +1,14 @@
 """The GPU suite in parts that each finish inside 10 minutes (the device tool's limit per command).
 
+    python benchmarks/gpu_suite.py --part first      # the first check: run it first (<= 8 min)
     python benchmarks/gpu_suite.py --list            # what each part runs
     python benchmarks/gpu_suite.py --part 1          # one part; results/*-<gpu>.json + PNGs
     bash benchmarks/gpu_suite.sh                     # every part in turn (see its header)
+
+Part ``first`` (`benchmarks/gpu_first.py`, ``make gpu-first``) is what a session lent a GPU runs
+first, from a bare machine, in one device call: environment, the kernel / codec / exactness tests
+on CUDA, codec bandwidth, step peaks against prediction and budget, and tokens/s against HF's
+checkpointing knobs (its docstring has the details and the time shares).
 
 Parts: 0 checks the environment (GPU, versions, pulp, the offline assets); 1-4 run
 `bench_throughput.py` on one model each (GPT-2 117M and 345M configs, a LLaMA-style 1.1B config,
@@ -142,7 +148,7 @@ def check_environment(results: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", type=int, choices=sorted(PARTS))
+    p.add_argument("--part", choices=["first", *map(str, sorted(PARTS))])
     p.add_argument("--list", action="store_true", help="print the parts and their commands")
     p.add_argument(
         "--smoke", action="store_true", help="tiny sizes, any device (checks the driver)"
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU's name)")
     args = p.parse_args(argv)
     if args.list:
+        print("part first: the first GPU check (benchmarks/gpu_first.py)")
         for k, (what, module, _) in PARTS.items():
             line = f"part {k}: {what}"
             if module:
@@ -159,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         return 0
     if args.part is None:
-        p.error("give --part N (or --list)")
+        p.error("give --part first|N (or --list)")
+    if args.part == "first":
+        from benchmarks import gpu_first
+
+        extra = ["--smoke"] if args.smoke else []
+        tag = ["--tag", args.tag] if args.tag else []
+        return gpu_first.main(["--results", args.results, *tag, *extra])
+    args.part = int(args.part)
     what, module, _ = PARTS[args.part]
     print(f"== part {args.part}: {what}", flush=True)
     t0 = time.perf_counter()

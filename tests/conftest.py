@@ -16,6 +16,13 @@ from adacc_hf import assets, trace_model
 from adacc_hf.policy.builders import random_mix
 
 FAMILIES = assets.SUPPORTED_FAMILIES
+#: Where the device-aware tests (those using `tiny`, `test_device_exact.py`, the kernel tests) run:
+#: ``ADACC_TEST_DEVICE=cuda`` runs them on the GPU (the first GPU check does). There, every test not
+#: marked ``fast_kernels`` runs with deterministic algorithms and the math attention backend, so
+#: the bitwise claims hold as on CPU (`deterministic_device`).
+TEST_DEVICE = torch.device(os.environ.get("ADACC_TEST_DEVICE", "cpu"))
+if TEST_DEVICE.type == "cuda":  # cuBLAS reads it when it starts: deterministic workspaces
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def random_policy(model, batch=None, *, seed: int = 0, kinds=("retain", "recompute")):
@@ -70,8 +77,27 @@ def family(request):
 
 @pytest.fixture
 def tiny(family):
-    model = assets.tiny_model(family)
+    model = assets.tiny_model(family).to(TEST_DEVICE)
     return model, assets.tiny_batch(family, model)
+
+
+@pytest.fixture(autouse=True)
+def deterministic_device(request):
+    """On CUDA: deterministic algorithms and the math attention backend (flash and efficient
+    attention accumulate their backward with atomics: two equal runs differ), unless the test is
+    marked ``fast_kernels`` (it then bounds the error by the device's own run-to-run spread)."""
+    if TEST_DEVICE.type != "cuda" or request.node.get_closest_marker("fast_kernels"):
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 # ---- the families report (README's table): ADACC_FAMILY_REPORT=path.json pytest tests/test_families.py

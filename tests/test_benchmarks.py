@@ -258,3 +258,40 @@ def test_gpu_suite_parts_parse_and_stay_within_their_time_limit():
         assert args.out.endswith("-h100.json")
         if mod == "bench_throughput":
             assert args.preset == "gpu" and len(args.models) == 1
+
+
+def test_first_gpu_check_fits_eight_minutes_by_its_own_shares():
+    from benchmarks import gpu_first
+
+    assert set(gpu_first.SHARES_S) == set(gpu_first.SECTIONS)
+    assert sum(gpu_first.SHARES_S.values()) == gpu_first.TIME_LIMIT_S
+    assert gpu_first.TIME_LIMIT_S + 60 <= 8 * 60  # a minute for the wheels and the imports
+
+
+def test_first_gpu_check_smoke_runs_every_section_and_the_budget_holds(tmp_path):
+    """``gpu_suite.py --part first --smoke``: the same driver on CPU, tiny; every section runs,
+    and on CPU (exact memory) every measured peak is within its budget and its prediction."""
+    import subprocess
+
+    cmd = [sys.executable, "benchmarks/gpu_suite.py", "--part", "first", "--smoke"]
+    proc = subprocess.run(
+        [*cmd, "--results", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((tmp_path / "first-smoke.json").read_text())
+    sec = out["sections"]
+    assert list(sec) == ["env", "tests", "codecs", "peaks", "throughput"]
+    assert not [n for n, r in sec.items() if "error" in r]
+    assert sec["tests"]["counts"].get("PASSED", 0) >= 2 and not sec["tests"]["failed"]
+    rows = sec["codecs"]["rows"]
+    assert len(rows) == 12 and all(r["bit_exact_payload"] and r["bit_exact_decode"] for r in rows)
+    peaks = sec["peaks"]
+    for name, r in peaks["baselines"].items():
+        assert r["peak_nbytes"] <= r["predicted_peak_nbytes"], name
+    for r in peaks["budgets"]:
+        assert r["peak_nbytes"] <= r["predicted_peak_nbytes"] <= r["budget_nbytes"], r
+    tp = sec["throughput"]
+    assert tp["best_every_n"] and tp["strategies"][tp["best_every_n"]]["fits"]
+    for name in ("hf_full", "adacc", tp["best_every_n"]):
+        assert tp["strategies"][name]["fits"] and tp["strategies"][name]["tokens_per_s"] > 0
+    assert (tmp_path / "first-smoke.png").stat().st_size > 0

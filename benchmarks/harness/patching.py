@@ -78,21 +78,28 @@ def check_unchanged(before: dict[str, Any], model: nn.Module, who: str) -> None:
         raise PatchLeftError(f"strategy {who} left the model patched at {diff}")
 
 
-def hf_enable(model: nn.Module, *, offload: bool) -> None:
+def hf_enable(model: nn.Module, *, offload: bool, every_n: int = 1) -> None:
     """transformers' own activation checkpointing (non-reentrant), as a user switches it on.
 
-    transformers >= 5.23: ``activation_checkpointing_enable(..., offload=)``; before that,
-    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``. On a machine without an
-    accelerator (transformers 5.23 asks for pinned memory there and fails) or a transformers
-    without ``offload``, offload is the same wrapper transformers installs: ``save_on_cpu`` around
-    each layer's checkpoint.
+    transformers >= 5.23: ``activation_checkpointing_enable(..., every_n_layers=, offload=)``;
+    before that, ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``. On a machine
+    without an accelerator (transformers 5.23 asks for pinned memory there and fails) or a
+    transformers without ``offload``, offload is the same wrapper transformers installs:
+    ``save_on_cpu`` around each layer's checkpoint. ``every_n > 1`` checkpoints only the layers
+    whose index is a multiple of it and keeps the others whole (transformers' ``every_n_layers``;
+    on a transformers without it, the same rule applied to the layers' own switch).
     """
+    if every_n < 1:
+        raise ValueError(f"every_n must be >= 1, got {every_n}")
     kwargs = {"use_reentrant": False}
     new = getattr(model, "activation_checkpointing_enable", None)
     enable = new or model.gradient_checkpointing_enable
-    has_offload = "offload" in inspect.signature(enable).parameters
-    native_offload = offload and has_offload and torch.cuda.is_available()
-    extra = {"offload": True} if native_offload else {}
+    params = inspect.signature(enable).parameters
+    native_offload = offload and "offload" in params and torch.cuda.is_available()
+    native_every = every_n > 1 and "every_n_layers" in params
+    extra: dict[str, Any] = {"offload": True} if native_offload else {}
+    if native_every:
+        extra["every_n_layers"] = every_n
     if new is not None:
         new(activation_checkpointing_kwargs=kwargs, **extra)
     else:
@@ -111,6 +118,17 @@ def hf_enable(model: nn.Module, *, offload: bool) -> None:
         for mod in model.modules():
             if "_gradient_checkpointing_func" in mod.__dict__:
                 mod._gradient_checkpointing_func = func
+    if every_n > 1 and not native_every:
+        for i, layer in enumerate(checkpointed_layers(model)):
+            layer.gradient_checkpointing = i % every_n == 0
+
+
+def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks ``every_n_layers`` counts (transformers' `GradientCheckpointingLayer`),
+    in model order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def hf_disable(model: nn.Module) -> None:

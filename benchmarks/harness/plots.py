@@ -168,3 +168,70 @@ def loss_curves(res: Mapping[str, Any], path: Path) -> str:
     )
     fig.tight_layout(rect=(0, 0.14, 1, 1))
     return _save(fig, path)
+
+
+def first_check_figure(out: Mapping[str, Any], path: Path) -> str:
+    """The first GPU check in one figure: codec bandwidth against copy, step peaks against
+    prediction and budget, tokens/s at the tight budget."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    sec = out.get("sections", {})
+    _codec_panel(axes[0], sec.get("codecs", {}))
+    _peak_panel(axes[1], sec.get("peaks", {}))
+    _throughput_panel(axes[2], sec.get("throughput", {}))
+    tests = sec.get("tests", {}).get("counts")
+    fig.suptitle(f"first GPU check: {out.get('device')}; tests {tests}", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _codec_panel(ax: Any, res: Mapping[str, Any]) -> None:
+    rows = res.get("rows", [])
+    colours = _pyplot().get_cmap("tab10").colors
+    for i, name in enumerate(dict.fromkeys(r["codec"] for r in rows)):
+        mine = [r for r in rows if r["codec"] == name]
+        sizes, c = [r["size_mb"] for r in mine], colours[i % len(colours)]
+        ax.plot(sizes, [r["encode_copy_ratio"] for r in mine], "o-", c=c, label=f"{name} encode")
+        ax.plot(sizes, [r["decode_copy_ratio"] for r in mine], "x--", c=c, label=f"{name} decode")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("tensor size (MB)")
+    ax.set_ylabel("GB/s / plain copy's")
+    ax.set_title("codec bandwidth vs copy", fontsize=9)
+    if rows:
+        ax.legend(fontsize=6, ncol=2)
+
+
+def _peak_panel(ax: Any, res: Mapping[str, Any]) -> None:
+    rows = [r for r in res.get("budgets", []) if r.get("peak_nbytes") is not None]
+    base = [(n, r) for n, r in res.get("baselines", {}).items() if r.get("peak_nbytes")]
+    labels = [n for n, _ in base] + [f"adacc {r['fraction']:g}" for r in rows]
+    entries = [r for _, r in base] + rows
+    x = range(len(entries))
+    for off, key, name in (
+        (-0.27, "predicted_peak_nbytes", "predicted"),
+        (0.0, "peak_nbytes", "allocated"),
+        (0.27, "reserved_peak_nbytes", "reserved"),
+    ):
+        ax.bar([i + off for i in x], [(r.get(key) or 0) / MiB for r in entries], 0.27, label=name)
+    for i, r in enumerate(entries):
+        if r.get("budget_nbytes"):
+            ax.hlines(r["budget_nbytes"] / MiB, i - 0.45, i + 0.45, colors="k", lw=1.5)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("step peak (MiB); black line: budget")
+    ax.set_title(f"{res.get('model', '')} step peaks", fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def _throughput_panel(ax: Any, res: Mapping[str, Any]) -> None:
+    rows = {n: r for n, r in res.get("strategies", {}).items() if r.get("tokens_per_s")}
+    names = list(rows)
+    ax.bar(
+        names,
+        [rows[n]["tokens_per_s"] for n in names],
+        color=["C0" if rows[n].get("fits") else "lightgrey" for n in names],
+    )
+    ax.set_ylabel("tokens / s (grey: over the budget)")
+    budget = res.get("budget_nbytes", 0) / MiB
+    ax.set_title(f"{res.get('model', '')} at {budget:.0f} MiB", fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)

@@ -133,16 +133,19 @@ class NoCheckpointing(Prepared):
 
 
 class HFCheckpointing(Prepared):
-    """transformers' activation checkpointing of every layer (``offload``: saved on the CPU)."""
+    """transformers' activation checkpointing of every layer (``offload``: saved on the CPU;
+    ``every_n``: only every n-th layer, the others keep their activations)."""
 
     uniform_equivalent = "recompute"
 
-    def __init__(self, *args: Any, offload: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, offload: bool = False, every_n: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.offload = offload
+        self.offload, self.every_n = offload, every_n
+        if every_n > 1:
+            self.uniform_equivalent = None  # a mix per layer: no uniform policy amounts to it
 
     def install(self) -> None:
-        hf_enable(self.model, offload=self.offload)
+        hf_enable(self.model, offload=self.offload, every_n=self.every_n)
 
     def uninstall(self) -> None:
         hf_disable(self.model)

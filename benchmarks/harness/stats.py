@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .strategies import REGISTRY
+from .strategies import lookup
 
 #: issue 12's bars: Adacc's tokens/s against the best fitting baseline; predicted added time.
 MIN_RATIO = 0.98
@@ -67,14 +67,14 @@ def vs_best_fitting(rows: dict[str, Any], steps: int) -> None:
     fitting = {
         n: r["tokens_per_s"]
         for n, r in rows.items()
-        if not REGISTRY[n].budgeted and r.get("fits") and r.get("tokens_per_s", 0) > 0
+        if not lookup(n).budgeted and r.get("fits") and r.get("tokens_per_s", 0) > 0
     }
     if not fitting:
         return
     best = max(fitting, key=fitting.__getitem__)
     base = per_round(rows[best]["step_ms_all"], steps)
     for n, r in rows.items():
-        if not REGISTRY[n].budgeted or "tokens_per_s" not in r:
+        if not lookup(n).budgeted or "tokens_per_s" not in r:
             continue
         r["best_fitting_baseline"] = best
         r["ratio_vs_best_fitting"] = r["tokens_per_s"] / fitting[best]

@@ -112,7 +112,10 @@ MAIN: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if not s.accuracy_o
 
 
 def label(name: str) -> str:
-    return REGISTRY[name].label if name in REGISTRY else name
+    try:
+        return lookup(name).label
+    except ValueError:
+        return name
 
 
 def check_names(names: list[str], known: Mapping[str, Any] | tuple[str, ...] = MAIN) -> None:
@@ -122,12 +125,32 @@ def check_names(names: list[str], known: Mapping[str, Any] | tuple[str, ...] = M
         raise SystemExit(f"unknown strategies {unknown}; known: {', '.join(known)}")
 
 
+EVERY_N_PREFIX = "hf_every_"
+
+
+def every_n(k: int) -> Strategy:
+    """transformers' ``every_n_layers=k``: checkpoint every k-th layer, keep the others whole
+    (named ``hf_every_<k>``)."""
+    if k < 2:
+        raise ValueError(f"every_n_layers needs k >= 2 (k = 1 is hf_full), got {k}")
+    label = f"HF checkpointing every {k} layers"
+    return Strategy(f"{EVERY_N_PREFIX}{k}", label, partial(HFCheckpointing, every_n=k))
+
+
+def lookup(name: str) -> Strategy:
+    """The registry's strategy `name`, or ``hf_every_<k>``."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if name.startswith(EVERY_N_PREFIX) and name[len(EVERY_N_PREFIX) :].isdigit():
+        return every_n(int(name[len(EVERY_N_PREFIX) :]))
+    known = ", ".join([*REGISTRY, f"{EVERY_N_PREFIX}<k>"])
+    raise ValueError(f"unknown strategy {name!r}; known: {known}")
+
+
 def prepare(name: str, model: nn.Module, batch: Batch, **kwargs: Any) -> Prepared:
     """Strategy `name` for `model` and `batch` (not prepared yet: `.prepare()` or enter it).
     kwargs: ``budget_nbytes``, ``static_nbytes``, ``profiles``, ``profile_repeats``."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(REGISTRY)}")
-    s = REGISTRY[name]
+    s = lookup(name)
     return s.kind(s, model, batch, **kwargs)
 
 
@@ -142,7 +165,7 @@ def build(
     profile_repeats: int = 3,
 ) -> dict[str, Prepared]:
     """Prepare `names` for one model, batch and budget, profiling once for all Adacc strategies."""
-    budgeted = [n for n in names if REGISTRY[n].budgeted]
+    budgeted = [n for n in names if lookup(n).budgeted]
     if budgeted and profiles is None:
         no_outlier = "adacc_no_outlier" in budgeted
         profiles = profile_for(model, batch, profile_repeats, no_outlier=no_outlier)

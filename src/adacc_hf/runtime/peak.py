@@ -5,7 +5,9 @@ micro-batch, or several with gradient accumulation) and returns the highest numb
 on the device at any moment, and per phase:
 
 * CUDA: the caching allocator's statistics (``max_memory_allocated`` above the bytes allocated
-  when the step starts, plus those bytes).
+  when the step starts, plus those bytes); beside it the highest bytes the allocator *reserved*
+  (``max_memory_reserved``: what the device must hold, caching-allocator rounding and segments
+  included -- CUDA runs out of memory when this does not fit).
 * CPU: every allocation and free the CPU allocator reports to ``torch.profiler`` (exact, in
   time order, including temporaries inside an op), added to the bytes alive when the step starts:
   parameters, buffers, gradients, optimizer state and the batch, each storage once.
@@ -41,6 +43,7 @@ class StepPeak:
     phases: dict[str, int] = field(default_factory=dict)  # highest bytes alive within each phase
     device: str = "cpu"
     how: str = ""
+    reserved_peak_nbytes: int | None = None  # CUDA: the allocator's highest reserved bytes
 
 
 class AllocationTracker:
@@ -63,6 +66,7 @@ class AllocationTracker:
         self._levels: list[int] = []  # CPU: level after each event
         self._mark_times: dict[str, int] = {}
         self._prof: Any = None
+        self.reserved_peak_nbytes: int | None = None  # CUDA: highest reserved bytes
 
     @property
     def cuda(self) -> bool:
@@ -73,6 +77,7 @@ class AllocationTracker:
             torch.cuda.synchronize(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.reserved_peak_nbytes = torch.cuda.memory_reserved(self.device)
         else:
             from torch.profiler import ProfilerActivity, profile
 
@@ -91,6 +96,7 @@ class AllocationTracker:
         if self.cuda:
             now = torch.cuda.memory_allocated(self.device) - self._start
             peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            self._note_reserved()
             torch.cuda.reset_peak_memory_stats(self.device)
             self._marks[name] = len(self._cuda_points)
             self._cuda_points.append((now, peak))
@@ -111,6 +117,7 @@ class AllocationTracker:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             end_peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            self._note_reserved()
             self._cuda_points.append(
                 (torch.cuda.memory_allocated(self.device) - self._start, end_peak)
             )
@@ -119,6 +126,11 @@ class AllocationTracker:
         self._prof.__exit__(*exc)
         if exc[0] is None:
             self._replay(self._prof.profiler.kineto_results)
+
+    def _note_reserved(self) -> None:
+        """Fold the allocator's reserved peak since the last reset into ours (marks reset it)."""
+        now = torch.cuda.max_memory_reserved(self.device)
+        self.reserved_peak_nbytes = max(self.reserved_peak_nbytes or 0, now)
 
     def _replay(self, results: Any) -> None:
         from torch._C._profiler import _EventType
@@ -279,4 +291,5 @@ def measure_step_peak(
         phases=phases,
         device=str(device),
         how=how,
+        reserved_peak_nbytes=tracker.reserved_peak_nbytes,
     )

@@ -1,0 +1,218 @@
+"""The first GPU check: what a session lent a GPU runs first, in one device call of <= 8 minutes.
+
+    python benchmarks/gpu_first.py                    # on the GPU: results/first-<gpu>.{json,png}
+    python benchmarks/gpu_first.py --smoke            # the same sections, tiny, on any device
+    python benchmarks/gpu_suite.py --part first       # the same, as the GPU suite's part
+
+Sections, each on its own share of the time limit (`SHARES_S`; a section that runs out stops
+starting new work and says so in the JSON; a failing section is recorded and the next one runs):
+
+1. ``env``: GPU, versions, the packages the suite needs.
+2. ``tests``: the kernel and codec tests and the exactness tests on the device
+   (``ADACC_TEST_DEVICE=cuda``: deterministic algorithms and the math attention backend where
+   bitwise equality is claimed; ``tests/test_device_exact.py`` bounds the fast backends by their
+   own run-to-run spread); the log beside the JSON.
+3. ``codecs``: each codec's encode / decode bandwidth against a plain copy at 4 sizes.
+4. ``peaks``: SmolLM2-135M (bf16) at 3 budgets: measured step peak (allocated and reserved)
+   against the cost model's prediction and the budget, beside HF full and no checkpointing.
+5. ``throughput``: the 1.1B LLaMA-style config at seq 2048: tokens/s of Adacc against HF full
+   checkpointing, the best transformers ``every_n_layers`` that fits and no checkpointing, at one
+   tight budget, interleaved.
+
+The JSON is written after every section, so a run stopped by the device's limit still returns
+what it measured (copy ``results/first-*`` to ``$OUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    # appended, not prepended: our kernels/ dir must not shadow HF's `kernels` package
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TIME_LIMIT_S = 420  # of the 8 minutes: ~60 s for a bare machine's wheels and imports
+SECTIONS = ("env", "tests", "codecs", "peaks", "throughput")
+# Each section's share of the limit (GPU), in order; a section may use what earlier ones left.
+SHARES_S = {"env": 5, "tests": 130, "codecs": 60, "peaks": 100, "throughput": 125}
+TEST_FILES = [
+    "tests/test_device_exact.py",
+    "tests/test_runtime_exact.py",
+    "tests/test_runtime_dropout.py",
+    "tests/test_runtime_compress.py",
+    "tests/test_kernels.py",
+]
+SMOKE_TESTS = ["tests/test_device_exact.py", "-k", "llama and recompute and not bf16"]
+CODECS = ["int4_outlier", "int4_channel", "int4_asym", "bitpack", "fp8_e4m3", "int4_naive"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, any device")
+    p.add_argument("--results", default=str(RESULTS))
+    p.add_argument("--tag", default=None, help="file-name tag (default: the device's name)")
+    p.add_argument("--time-limit", type=float, default=TIME_LIMIT_S)
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    return p.parse_args(argv)
+
+
+def settings(smoke: bool) -> dict[str, Any]:
+    """Sizes of each section: the issue's on a GPU, tiny with ``--smoke``."""
+    from benchmarks.harness.models import SMOLLM2_CONFIG, ModelSpec, find_specs
+
+    if not smoke:
+        smol, llama = find_specs("gpu", ["smollm2-135m", "llama-1b"])
+        return {
+            "tests": TEST_FILES,
+            "test_args": ["-n", "6"] if _has("xdist") else [],
+            "codec_sizes_mb": [1, 16, 64, 256],
+            "codec_kw": {"channels": 4096, "reps": 5},
+            "peaks": (smol, 4, [0.1, 0.4, 0.8]),
+            "throughput": (llama, 4, 0.25),
+            "rounds": 3,
+            "steps": 2,
+            "repeats": 3,
+        }
+    tiny = dict(SMOLLM2_CONFIG, vocab_size=256, hidden_size=64, intermediate_size=128)
+    tiny.update(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    smol = ModelSpec("llama-smoke", "llama", tiny, seq_len=32, batch_sizes=(2,), main_batch=2)
+    return {
+        "tests": SMOKE_TESTS,
+        "test_args": [],
+        "codec_sizes_mb": [1 / 64, 1 / 16],
+        "codec_kw": {"channels": 256, "reps": 1},
+        "peaks": (smol, 2, [0.1, 0.8]),
+        "throughput": (smol, 2, 0.25),
+        "rounds": 1,
+        "steps": 1,
+        "repeats": 1,
+    }
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.smoke and "codecs" in args.sections:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is defined
+    import torch
+
+    from benchmarks.harness import first
+    from benchmarks.harness.env import Deadline, device_tag, header
+    from benchmarks.harness.report import write_json
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("no CUDA device here: the first check measures a GPU (--smoke runs it tiny)")
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    tag = args.tag or ("smoke" if args.smoke else device_tag(device))
+    results = Path(args.results)
+    json_path = results / f"first-{tag}.json"
+    cfg = settings(args.smoke)
+    out: dict[str, Any] = header("gpu-first", argv, device)
+    out.update(smoke=args.smoke, time_limit_s=args.time_limit, shares_s=SHARES_S, sections={})
+    deadline = Deadline(args.time_limit)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    spent = 0.0
+    for name in args.sections:
+        spent += SHARES_S[name] * args.time_limit / TIME_LIMIT_S
+        share = Deadline(max(0.0, spent - deadline.elapsed()))
+        print(f"== {name} ({deadline}; until {spent:.0f} s)", flush=True)
+        try:
+            if name == "env":
+                res = environment(device)
+            elif name == "tests":
+                log = results / f"first-tests-{tag}.log"
+                res = first.run_tests(
+                    cfg["tests"],
+                    device=device.type,
+                    limit_s=max(30.0, share.limit or 0),
+                    log=log,
+                    extra=cfg["test_args"],
+                )
+            elif name == "codecs":
+                res = first.codec_bandwidth(
+                    CODECS, cfg["codec_sizes_mb"], device, deadline=share, **cfg["codec_kw"]
+                )
+            elif name == "peaks":
+                spec, bs, fractions = cfg["peaks"]
+                res = first.step_peaks(
+                    spec, bs, fractions, device, dtype, deadline=share, repeats=cfg["repeats"]
+                )
+            else:
+                spec, bs, fraction = cfg["throughput"]
+                res = first.throughput(
+                    spec,
+                    bs,
+                    fraction,
+                    device,
+                    dtype,
+                    deadline=share,
+                    rounds=cfg["rounds"],
+                    steps=cfg["steps"],
+                    repeats=cfg["repeats"],
+                )
+        except Exception as e:  # recorded; the next section still runs
+            traceback.print_exc()
+            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            if cuda:
+                torch.cuda.empty_cache()
+        res["seconds_at_end"] = deadline.elapsed()
+        out["sections"][name] = res
+        write_json(json_path, out)
+    out["png"] = plot(out, results / f"first-{tag}.png")
+    write_json(json_path, out)
+    print(f"wrote {json_path} ({deadline})", flush=True)
+    failed = [n for n, r in out["sections"].items() if "error" in r]
+    return 1 if failed else 0
+
+
+def environment(device) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    import torch
+
+    names = ("torch", "transformers", "accelerate", "triton", "pulp", "peft", "matplotlib")
+    versions = {}
+    for n in names:
+        try:
+            versions[n] = md.version(n if n != "pulp" else "PuLP")
+        except md.PackageNotFoundError:
+            versions[n] = None
+    info: dict[str, Any] = {"python": platform.python_version(), "versions": versions}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu=props.name,
+            memory_gib=props.total_memory / 2**30,
+            capability=list(torch.cuda.get_device_capability(device)),
+            sms=props.multi_processor_count,
+            allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        )
+    print(info, flush=True)
+    return info
+
+
+def plot(out: dict[str, Any], path: Path) -> str | None:
+    """One figure of the three measuring sections; None when matplotlib is missing."""
+    if not _has("matplotlib"):
+        return None
+    from benchmarks.harness.plots import first_check_figure
+
+    return first_check_figure(out, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
