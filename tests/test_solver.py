@@ -144,20 +144,31 @@ def small_ops(prefix, rng, n_ops, codecs=("int4_asym", "int4_channel")):
 ACTIONS = ("retain", "compress:int4_asym", "compress:int4_channel", "recompute")
 
 
-def block_options(g: GroupProfile):
-    """(ms, bytes, checkpointed) of every per-block assignment: no checkpoint, or a per-op tuple."""
+def block_options(g: GroupProfile, consistent: bool = False):
+    """(ms, bytes, checkpointed) of every per-block assignment: no checkpoint, or a per-op tuple.
+    ``consistent``: only assignments where no attention op (``attn_fused``) is kept after a
+    lossily compressed op nor compressed itself (written out here, independently of
+    `adacc_hf.policy.consistency`)."""
     rows = [(0.0, g.full_nbytes, False)]
     costs = []
     for o in g.ops:
-        c = [(0.0, o.retain_nbytes)]
-        c += [(o.codecs[n].ms, o.codecs[n].nbytes) for n in ("int4_asym", "int4_channel")]
-        c.append((o.fwd_ms, 0))
+        c = [(0.0, o.retain_nbytes, "retain")]
+        c += [(o.codecs[n].ms, o.codecs[n].nbytes, "lossy") for n in ("int4_asym", "int4_channel")]
+        c.append((o.fwd_ms, 0, "recompute"))
         costs.append(c)
     for combo in itertools.product(*costs):
+        if consistent:
+            kinds = [k for _, _, k in combo]
+            stat = [o.layer_type == "attn_fused" for o in g.ops]
+            if any(
+                s and (k == "lossy" or (k == "retain" and "lossy" in kinds[:i]))
+                for i, (s, k) in enumerate(zip(stat, kinds, strict=True))
+            ):
+                continue
         rows.append(
             (
-                g.fixed_ms + math.fsum(t for t, _ in combo),
-                g.input_nbytes + sum(m for _, m in combo),
+                g.fixed_ms + math.fsum(t for t, _, _ in combo),
+                g.input_nbytes + sum(m for _, m, _ in combo),
                 True,
             )
         )
@@ -168,7 +179,7 @@ def block_options(g: GroupProfile):
     )
 
 
-def exhaustive(prof: Profile, static: int, split: bool):
+def exhaustive(prof: Profile, static: int, split: bool, consistent: bool = False):
     """Per configuration of all blocks: (total ms, step peak), over every assignment.
 
     The peak follows `solver.step`'s moments for these synthetic profiles (no gradients, nothing
@@ -178,7 +189,7 @@ def exhaustive(prof: Profile, static: int, split: bool):
     group the realised policy puts checkpointed blocks by ascending held, then the plain ones."""
     per_group = []  # per group: list of per-config option tuples (ms, [(held, T, ckpt)] in order)
     for g in prof.groups.values():
-        t, m, ck = block_options(g)
+        t, m, ck = block_options(g, consistent)
         opts = range(len(t))
         combos = (
             itertools.product(opts, repeat=g.num_blocks)

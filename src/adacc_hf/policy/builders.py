@@ -26,6 +26,7 @@ from ..schema import (
     Variant,
     codec_candidates,
 )
+from .consistency import repair_actions
 from .core import Policy
 
 Chooser = Callable[[OpSpec], Action]
@@ -41,7 +42,8 @@ def from_trace(
 ) -> Policy:
     """A single-variant policy: ``choose(op) -> Action`` for every cacheable op (``checkpoint=
     False``: no checkpointing, ``choose`` unused). Ops of `ALWAYS_RETAIN` layer types (MoE
-    routers) are retained whatever ``choose`` says."""
+    routers) are retained whatever ``choose`` says; statistic ops after a lossy op are recomputed
+    (`consistency`)."""
     groups = {}
     for name, bt in trace.groups.items():
         actions: dict[str, Action] = {}
@@ -54,6 +56,7 @@ def from_trace(
                     actions[op.key] = RETAIN
                 else:
                     actions[op.key] = choose(op)
+            actions, _ = repair_actions(bt.ops, actions)  # no lossy input beside a statistic
         groups[name] = GroupPolicy(
             ops=list(bt.ops),
             variants=[Variant(bt.num_blocks, checkpoint, actions)],

@@ -175,9 +175,30 @@ class Policy:
                         except CodecError as e:
                             raise PolicyError(f"group {name!r}, op {key}: {e}") from None
 
+    def repair(self) -> list[str]:
+        """Recompute every statistic op kept beside a lossy input (`consistency`): returns the
+        ``group/op`` names it changed (none for policies this library makes)."""
+        from .consistency import repair_actions
+
+        changed = []
+        for name, g in self.groups.items():
+            for v in g.variants:
+                v.actions, bad = repair_actions(g.ops, v.actions, v.checkpoint)
+                changed += [f"{name}/{key}" for key in bad]
+        return sorted(set(changed))
+
     def validate(self, model: nn.Module) -> None:
-        """Raise `PolicyError` if this policy was not made for `model`'s family and structure."""
+        """Raise `PolicyError` if this policy was not made for `model`'s family and structure;
+        repair (in place, with a warning) statistic ops kept beside a lossy input."""
         self.check()
+        repaired = self.repair()
+        if repaired:
+            warnings.warn(
+                f"this policy keeps {len(repaired)} fused-attention / norm op(s) exact beside a "
+                f"lossy input ({', '.join(repaired[:6])}): their backward would mix statistics of "
+                "exact inputs with altered ones (wrong gradients); they are recomputed instead",
+                stacklevel=3,
+            )
         adapter = get_adapter(model)
         base = unwrap_model(model)
         model_type = base.config.model_type

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..codecs import dtype_named, get_codec
 from ..errors import PolicyError
 from ..policy import Policy
+from ..policy.consistency import keeps_statistics
 from ..schema import (
     ALWAYS_RETAIN,
     HEADS,
@@ -88,10 +89,13 @@ def choices_for(
     cands = [] if op.block_output else [Choice("retain", Action.retain(), 0.0, op.retain_nbytes)]
     if op.layer_type in ALWAYS_RETAIN:
         return cands
+    statistic = keeps_statistics(op)
     for name in sorted(op.codecs):
         cp = op.codecs[name]
         if codecs is not None and name not in codecs:
             continue
+        if statistic and not get_codec(name, **cp.params).lossless:
+            continue  # its exact statistics beside a lossy output (`policy.consistency`)
         if max_rel_error is not None and not cp.rel_error <= max_rel_error:
             continue
         cands.append(

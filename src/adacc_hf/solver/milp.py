@@ -38,6 +38,7 @@ from typing import Any
 
 import pulp
 
+from ..policy.consistency import keeps_statistics, lossy
 from ..schema import OpProfile
 from .budget import MiB
 from .cost_model import Choice, GroupModel, dispatch_ms, evaluate
@@ -93,12 +94,52 @@ def make_solver(name: str, time_limit_s: float, gap_ms: float) -> tuple[Any, str
 
 def _classes(gm: GroupModel) -> list[tuple[list[OpProfile], list[Choice]]]:
     """Ops with identical choices (time and bytes), merged: their order among each other is
-    arbitrary, and one integer count per class removes that symmetry from the search."""
+    arbitrary, and one integer count per class removes that symmetry from the search. Ops the
+    consistency constraints (`_consistency`) name stay classes of their own."""
+    alone = _constrained(gm)
     by_key: dict[tuple, tuple[list[OpProfile], list[Choice]]] = {}
     for op, choices in gm.ops:
         key = tuple((c.label, c.ms, c.nbytes) for c in choices)
+        if op.key in alone:
+            key = (op.key, *key)
         by_key.setdefault(key, ([], choices))[0].append(op)
     return list(by_key.values())
+
+
+def _lossy_labels(choices: list[Choice]) -> list[str]:
+    return [c.label for c in choices if lossy(c.action)]
+
+
+def _constrained(gm: GroupModel) -> set[str]:
+    """Statistic ops that may be retained, and the ops before them with a lossy choice."""
+    keys: set[str] = set()
+    before: list[str] = []
+    for op, choices in gm.ops:
+        labels = {c.label for c in choices}
+        if keeps_statistics(op) and "retain" in labels and before:
+            keys.add(op.key)
+            keys.update(before)
+        if _lossy_labels(choices):
+            before.append(op.key)
+    return keys
+
+
+def _consistency(prob: pulp.LpProblem, gi: int, gm: GroupModel, ys_of: dict, k: Any) -> None:
+    """No statistic op retained in a block where an earlier op is lossily compressed
+    (`policy.consistency`): op j's lossy blocks and statistic op s's retained blocks are
+    disjoint, ``lossy_j + retain_s <= K``; realisation (`realise.variants`) then places j's lossy
+    actions among s's recomputing blocks."""
+    earlier: list[tuple[int, list[Any]]] = []
+    for i, (op, choices) in enumerate(gm.ops):
+        ys = ys_of.get(op.key)
+        if ys is None:
+            continue
+        if keeps_statistics(op) and "retain" in ys:
+            for j, lossy_ys in earlier:
+                prob += pulp.lpSum(lossy_ys) + ys["retain"] <= k, f"stat_{gi}_{i}_{j}"
+        labels = _lossy_labels(choices)
+        if labels:
+            earlier.append((i, [ys[lab] for lab in labels]))
 
 
 def _split_class(ops: list[OpProfile], choices: list[Choice], totals: dict[str, int], k: int):
@@ -168,6 +209,9 @@ def solve_lp(
                     prob += ys[c.label] <= hi * w, f"keeps_{gi}_{ci}_{ai}"
             prob += pulp.lpSum(ys.values()) == m * k, f"one_action_{gi}_{ci}"
             y_vars[gm.name].append((ops, choices, ys))
+        singles = {ops[0].key: ys for ops, _, ys in y_vars[gm.name] if len(ops) == 1}
+        if _constrained(gm):
+            _consistency(prob, gi, gm, singles, k)
         if t_var is None:
             continue
         if g.transient_nbytes:  # some block of the group checkpointed

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..policy import Policy
+from ..policy.consistency import keeps_statistics, lossy
 from ..schema import ALWAYS_RETAIN, RECOMPUTE, GroupPolicy, OpProfile, Profile, Variant
-from .cost_model import GroupModel, Prediction
+from .cost_model import Choice, GroupModel, Prediction
 
 
 @dataclass
@@ -54,12 +55,29 @@ def _least(op: OpProfile) -> str:
     return "retain" if op.layer_type in ALWAYS_RETAIN else "recompute"
 
 
+def _layouts(gm: GroupModel) -> list[list[Choice]]:
+    """Each op's choices in the order blocks take them. An op with a statistic op after it
+    (`policy.consistency`) takes its lossy actions last, so they fall in the blocks where the
+    statistic op recomputes (it retains first): the solver keeps their counts apart
+    (``lossy_j + retain_s <= K``)."""
+    out: list[list[Choice]] = []
+    statistic_later = False
+    for op, choices in reversed(gm.ops):
+        if statistic_later:
+            choices = sorted(choices, key=lambda c: lossy(c.action))  # stable: lossy ones last
+        out.append(choices)
+        statistic_later = statistic_later or keeps_statistics(op)
+    return out[::-1]
+
+
 def variants(gm: GroupModel, k: int, counts: dict[str, dict[str, int]]) -> list[Variant]:
-    """Block j < K applies, per op, the (K-1-j)-th action in the order of its cumulative counts."""
+    """Block j < K applies, per op, the (K-1-j)-th action in the order of its cumulative counts
+    (`_layouts`)."""
     blocks: list[tuple[str, ...]] = []
+    layouts = _layouts(gm)
     for j in range(k):
         labels = []
-        for op, choices in gm.ops:
+        for (op, _), choices in zip(gm.ops, layouts, strict=True):
             acc = 0
             for c in choices:
                 acc += counts[op.key].get(c.label, 0)
