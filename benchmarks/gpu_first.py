@@ -14,8 +14,11 @@ starting new work and says so in the JSON; a failing section is recorded and the
    own run-to-run spread); the log beside the JSON.
 3. ``codecs``: each codec's encode / decode bandwidth against a plain copy at 4 sizes.
 4. ``peaks``: SmolLM2-135M (bf16) at 3 budgets: measured step peak (allocated and reserved)
-   against the cost model's prediction and the budget, beside HF full and no checkpointing.
-5. ``throughput``: the 1.1B LLaMA-style config at seq 2048: tokens/s of Adacc against HF full
+   against the cost model's prediction and the budget, beside HF full and no checkpointing;
+   then the same again under expandable segments (what sessions turn on).
+5. ``session``: a custom loop under `adacc_hf.prepare` on batches of several lengths at a tight
+   budget: per step, allocated and reserved bytes against the budget, and the guard's re-plans.
+6. ``throughput``: the 1.1B LLaMA-style config at seq 2048: tokens/s of Adacc against HF full
    checkpointing, the best transformers ``every_n_layers`` that fits and no checkpointing, at one
    tight budget, interleaved.
 
@@ -39,9 +42,9 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TIME_LIMIT_S = 420  # of the 8 minutes: ~60 s for a bare machine's wheels and imports
-SECTIONS = ("env", "tests", "codecs", "peaks", "throughput")
+SECTIONS = ("env", "tests", "codecs", "peaks", "session", "throughput")
 # Each section's share of the limit (GPU), in order; a section may use what earlier ones left.
-SHARES_S = {"env": 5, "tests": 130, "codecs": 60, "peaks": 100, "throughput": 125}
+SHARES_S = {"env": 5, "tests": 130, "codecs": 60, "peaks": 70, "session": 40, "throughput": 115}
 TEST_FILES = [
     "tests/test_device_exact.py",
     "tests/test_runtime_exact.py",
@@ -75,6 +78,7 @@ def settings(smoke: bool) -> dict[str, Any]:
             "codec_sizes_mb": [1, 16, 64, 256],
             "codec_kw": {"channels": 4096, "reps": 5},
             "peaks": (smol, 4, [0.1, 0.4, 0.8]),
+            "session": (smol, 4, [2048, 1536, 2048, 1024, 2048, 1800], 0.3),
             "throughput": (llama, 4, 0.25),
             "rounds": 3,
             "steps": 2,
@@ -89,6 +93,7 @@ def settings(smoke: bool) -> dict[str, Any]:
         "codec_sizes_mb": [1 / 64, 1 / 16],
         "codec_kw": {"channels": 256, "reps": 1},
         "peaks": (smol, 2, [0.1, 0.8]),
+        "session": (smol, 2, [32, 24, 32], 0.3),
         "throughput": (smol, 2, 0.25),
         "rounds": 1,
         "steps": 1,
@@ -151,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
                 res = first.step_peaks(
                     spec, bs, fractions, device, dtype, deadline=share, repeats=cfg["repeats"]
                 )
+            elif name == "session":
+                from benchmarks.harness.first_session import session_run
+
+                spec, bs, lengths, fraction = cfg["session"]
+                res = session_run(spec, bs, lengths, fraction, device, dtype)
             else:
                 spec, bs, fraction = cfg["throughput"]
                 res = first.throughput(

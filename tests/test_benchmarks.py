@@ -280,7 +280,7 @@ def test_first_gpu_check_smoke_runs_every_section_and_the_budget_holds(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads((tmp_path / "first-smoke.json").read_text())
     sec = out["sections"]
-    assert list(sec) == ["env", "tests", "codecs", "peaks", "throughput"]
+    assert list(sec) == ["env", "tests", "codecs", "peaks", "session", "throughput"]
     assert not [n for n, r in sec.items() if "error" in r]
     assert sec["tests"]["counts"].get("PASSED", 0) >= 2 and not sec["tests"]["failed"]
     rows = sec["codecs"]["rows"]
@@ -290,6 +290,10 @@ def test_first_gpu_check_smoke_runs_every_section_and_the_budget_holds(tmp_path)
         assert r["peak_nbytes"] <= r["predicted_peak_nbytes"], name
     for r in peaks["budgets"]:
         assert r["peak_nbytes"] <= r["predicted_peak_nbytes"] <= r["budget_nbytes"], r
+    steps = sec["session"]["steps"]
+    assert len(steps) == 3 and all(s["loss"] > 0 for s in steps)
+    assert {e["kind"] for e in sec["session"]["events"]} >= {"policy"}
+    assert sec["session"]["guard_replans"] == 0  # no caching allocator on a CPU
     tp = sec["throughput"]
     assert tp["best_every_n"] and tp["strategies"][tp["best_every_n"]]["fits"]
     for name in ("hf_full", "adacc", tp["best_every_n"]):

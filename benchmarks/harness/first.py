@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from adacc_hf import estimate_static_memory, measure_step_peak, uniform_policy
+from adacc_hf.runtime.allocator import ENV_VAR as ADACC_ENV
+from adacc_hf.runtime.allocator import allocator_configured, use_expandable_segments
 from adacc_hf.solver import predict
 
 from .adacc import budget_range, profile_for
@@ -207,6 +209,7 @@ def step_peaks(
         pol = uniform_policy(model, "retain" if name == "none" else "recompute", batch)
         row["predicted_peak_nbytes"] = predict(profiles.adacc, pol, static).peak_nbytes
         _print_peak(spec.name, name, row)
+    measured: list[tuple[dict, Prepared]] = [(res["baselines"][n], s) for n, s in ready.items()]
     for f in fractions:
         if deadline.passed():
             res["budgets"].append({"fraction": f, "skipped": "time limit"})
@@ -227,6 +230,7 @@ def step_peaks(
             row["infeasible"] = s.info.get("error")
         else:
             row.update(_measure(s, batch, opt))
+            measured.append((row, s))
             pred = predict(
                 s.session.current.profile if s.session and s.session.current else profiles.adacc,
                 s.policy,
@@ -242,9 +246,38 @@ def step_peaks(
                     row[key.replace("nbytes", "over_budget")] = row[key] / budget - 1
         res["budgets"].append(row)
         _print_peak(spec.name, f"adacc@{f:g}", row, budget)
+    res["allocator"] = _expandable_again(measured, batch, opt, deadline)
     del model, opt
     free_cached()
     return res
+
+
+def _expandable_again(
+    measured: list[tuple[dict, Prepared]], batch: dict, opt: torch.optim.Optimizer, deadline
+) -> str:
+    """The same strategies again under expandable segments, as sessions set CUDA up: each row
+    gains ``expandable_peak_nbytes`` / ``expandable_reserved_peak_nbytes``. Returns what ran."""
+    if not torch.cuda.is_available():
+        return "CPU: no caching allocator"
+    if not use_expandable_segments():
+        return f"left as configured ({allocator_configured() or ADACC_ENV + '=default'})"
+    free_cached()
+    for row, s in measured:
+        if deadline.passed():
+            return "expandable segments: stopped at the time limit"
+        again = _measure(s, batch, opt)
+        row["expandable_peak_nbytes"] = again.get("peak_nbytes")
+        row["expandable_reserved_peak_nbytes"] = again.get("reserved_peak_nbytes")
+        if row.get("budget_nbytes") and again.get("reserved_peak_nbytes"):
+            row["expandable_reserved_over_budget"] = (
+                again["reserved_peak_nbytes"] / row["budget_nbytes"] - 1
+            )
+        print(
+            f"  expandable: {s.name:8s} peak {(again.get('peak_nbytes') or 0) / MiB:.1f} "
+            f"reserved {(again.get('reserved_peak_nbytes') or 0) / MiB:.1f} MiB",
+            flush=True,
+        )
+    return "default, then expandable segments (expandable_* fields)"
 
 
 def _print_peak(model: str, name: str, row: dict, budget: int | None = None) -> None:

@@ -63,6 +63,9 @@ class AdaccConfig:
     # Pick the micro-batch (and accumulation, keeping the global batch) with the best predicted
     # tokens/s under the budget (`autobatch.choose_micro_batch`): `prepare` and `AdaccTrainer`.
     auto_batch_size: bool = False
+    # CUDA: turn on the caching allocator's expandable segments where the user has not
+    # configured it (`runtime.allocator`): reserved memory then stays close to what is allocated.
+    expandable_segments: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.headroom < 0.5:

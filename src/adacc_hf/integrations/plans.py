@@ -16,7 +16,7 @@ class AdaccEvent:
     """Something worth logging: a new plan, a switch, or a tracking step."""
 
     step: int
-    kind: str  # "policy" | "switch" | "track" | "batch" (the automatic micro-batch)
+    kind: str  # "policy" | "switch" | "track" | "batch" (the automatic micro-batch) | "guard"
     policy: Policy | None = None
     message: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -30,3 +30,6 @@ class Plan:
     policy: Policy
     profile: Profile | None = None
     stale: bool = False  # codec statistics moved since it was solved: re-solve before next use
+    # Bytes kept free below the budget beyond the step model's prediction: what CUDA's allocator
+    # reserved above the budget when this bucket ran (`guard`).
+    reserve_nbytes: int = 0

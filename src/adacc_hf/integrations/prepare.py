@@ -67,8 +67,9 @@ def prepare(
     if sample_batch is not None:
         session.setup(sample_batch)
         session.on_step_begin(1)
-    else:
-        session.attach()
+    # every training forward plans its batch's bucket first (a longer batch than the sample's
+    # gets a plan of its own; a bucket the guard marked gets re-planned)
+    session.attach()
     return session
 
 
@@ -89,4 +90,5 @@ def _prepare_auto(
     session.events.append(choice.event())
     session.setup(rows(sample, choice.micro_batch))
     session.on_step_begin(1)
+    session.attach()
     return session

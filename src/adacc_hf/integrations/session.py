@@ -31,6 +31,7 @@ from ..policy import Policy
 from ..policy.display import describe, metrics
 from ..profiler import BlockProbe, measure_policy, profile_model
 from ..runtime import AdaccHandle, apply_adacc
+from ..runtime.allocator import use_expandable_segments
 from ..runtime.peak import live_state_nbytes
 from ..runtime.sharded import forwards_without_backward
 from ..schema import Profile
@@ -45,6 +46,7 @@ from ..solver import (
 )
 from .config import AdaccConfig, detect_autocast
 from .coordinator import Coordinator, coordinator_for_process
+from .guard import ReservedGuard
 from .plans import AdaccEvent, Plan
 from .shapes import ShapeKey, key_text, key_tokens, padded, shape_key
 
@@ -94,6 +96,7 @@ class AdaccSession:
         self._hook: Any = None
         self._planning = False
         self._tracker: OutlierTracker | None = None
+        self.guard = ReservedGuard()
         self._warned: set[str] = set()
         self.step = 0
         # The automatic micro-batch's choice (`autobatch`), for loops that build their own batches.
@@ -130,12 +133,13 @@ class AdaccSession:
             self.budget_nbytes = parse_budget(self.config.budget, self.device, resident)
         return self.budget_nbytes
 
-    def solve(self, profile: Profile) -> Policy:
-        """The policy for `profile` under the session's budget (keeping `headroom` free)."""
+    def solve(self, profile: Profile, reserve: int = 0) -> Policy:
+        """The policy for `profile` under the session's budget (keeping `headroom` free, and
+        `reserve` bytes below it: what the allocator reserved over the budget, `guard`)."""
         c, static = self.config, self._static()
         acc = c.gradient_accumulation_steps
         budget = self._budget()
-        planned = planned_budget(budget, static, profile, c.headroom, acc, c.head)
+        planned = planned_budget(budget - reserve, static, profile, c.headroom, acc, c.head)
         policy = solve_policy(
             profile,
             planned,
@@ -167,6 +171,7 @@ class AdaccSession:
         if plan is not None and not plan.stale:
             return plan
         probes: dict[str, BlockProbe] = {}
+        reserve = plan.reserve_nbytes if plan is not None else 0
         if plan is not None:
             profile = plan.profile
         elif key in self.profiles:
@@ -174,7 +179,7 @@ class AdaccSession:
         else:
             profile = self.profiles[key] = self._profile(batch, key, probes)
         try:
-            policy = self.solve_measured(profile, probes)
+            policy = self.solve_measured(profile, probes, reserve)
         except BudgetError as e:
             if self.current is None:  # the run's first plans: fail before any work is lost
                 raise
@@ -195,17 +200,19 @@ class AdaccSession:
                     e,
                 )
         policy.metadata["shape_key"] = list(key)
-        plan = self.plans[key] = Plan(key, policy, profile)
+        plan = self.plans[key] = Plan(key, policy, profile, reserve_nbytes=reserve)
         msg = f"bucket {key_text(key)}: {describe(policy)}"
         self.events.append(AdaccEvent(self.step, "policy", policy, msg, metrics(policy)))
         logger.info("adacc plan for %s:\n%s", msg, policy.table())
         return plan
 
-    def solve_measured(self, profile: Profile, probes: dict[str, BlockProbe]) -> Policy:
+    def solve_measured(
+        self, profile: Profile, probes: dict[str, BlockProbe], reserve: int = 0
+    ) -> Policy:
         """Solve; measure and time the action tables the policy uses on the profiled blocks
         (their real transients go into the profile) and solve again with them, up to twice; the
         final policy's tables measured too, its predicted added time is theirs (`predict`)."""
-        policy = self.coordinator.share(lambda: self.solve(profile))
+        policy = self.coordinator.share(lambda: self.solve(profile, reserve))
         for attempt in range(3 if probes else 0):
             self._planning = True
             try:
@@ -215,7 +222,7 @@ class AdaccSession:
                 self._planning = False
             if not new or attempt == 2:
                 break
-            policy = self.coordinator.share(lambda: self.solve(profile))
+            policy = self.coordinator.share(lambda: self.solve(profile, reserve))
         pred = policy.metadata.get("predicted")
         if probes and isinstance(pred, dict) and "added_ms" in pred:
             acc = self.config.gradient_accumulation_steps
@@ -257,6 +264,7 @@ class AdaccSession:
         too small for it fails now) and patch the model with the plan of `batch`."""
         if self.autocast is None:
             self.autocast = detect_autocast(self.model, self.device)
+        use_expandable_segments(self.config.expandable_segments)
         if self.config.max_seq_len and not self.fixed:
             key = self.key_of(batch)
             longest = (key[0], *(max(k, self.config.max_seq_len) for k in key[1:-1]), key[-1])
@@ -279,9 +287,10 @@ class AdaccSession:
 
     def apply(self, policy: Policy) -> None:
         """Run `policy` for the current bucket."""
-        key = self.current.key if self.current is not None else None
-        profile = self.current.profile if self.current is not None else None
-        plan = self.plans[key] = Plan(key, policy, profile)
+        cur = self.current
+        key, profile = (cur.key, cur.profile) if cur is not None else (None, None)
+        reserve = cur.reserve_nbytes if cur is not None else 0
+        plan = self.plans[key] = Plan(key, policy, profile, reserve_nbytes=reserve)
         self.current = None
         self.use(plan)
 
@@ -336,7 +345,12 @@ class AdaccSession:
             self.handle.set_tracker(self._tracker)
 
     def on_step_end(self, step: int) -> AdaccEvent | None:
-        """Call after optimizer step `step`: on tracking steps, re-solve and maybe switch."""
+        """Call after optimizer step `step`: the reserved-memory guard; on tracking steps,
+        re-solve and maybe switch."""
+        if self.active and not self.fixed:
+            guarded = self.guard.check(self.current, self.budget_nbytes, self.device, step)
+            if guarded is not None:
+                self.events.append(guarded)
         tracker, self._tracker = self._tracker, None
         if tracker is None or not self.active:
             return None
@@ -350,7 +364,7 @@ class AdaccSession:
         self.current.profile = new_profile
 
         def decide() -> Policy:
-            new, c = self.solve(new_profile), self.config
+            new, c = self.solve(new_profile, self.current.reserve_nbytes), self.config
             switch = should_switch(
                 new_profile, self.policy, new, self._static(), budget_nbytes=self.budget_nbytes or 0,
                 max_rel_error=c.max_codec_error, accumulation=c.gradient_accumulation_steps,
