@@ -92,3 +92,40 @@ def test_lossless_codecs_taint_nothing():
     fused = next(o for o in g.ops if keeps_statistics(o))
     masks = {o.key: Action.compress("bitpack") for o in g.ops if o.dtype == str(torch.bool)}
     assert not conflicts(g.ops, {**masks, fused.key: Action.retain()})
+
+
+def _error_profile(num_blocks: int):
+    """Four ops whose codecs cost almost nothing but move the gradients by different amounts."""
+    rng = random.Random(5)
+    codecs = ("int4_asym", "int4_channel")
+    ops = [op(f"mlp/op#{i}", "mlp_up", 64 * 2048, 0.3 + 0.1 * i, codecs) for i in range(4)]
+    for o in ops:
+        for cp in o.codecs.values():
+            cp.encode_ms, cp.decode_ms = rng.uniform(0.005, 0.02), rng.uniform(0.005, 0.02)
+            cp.grad_error = rng.uniform(0.02, 0.12)
+    g = group("layers", num_blocks, ops, x_numel=64 * 1024, fixed_ms=0.05)
+    return profile([g], nonblock=MiB)
+
+
+@pytest.mark.parametrize("bound", [0.0, 0.06, 0.12, 0.2])
+def test_the_gradient_error_bound_gives_the_best_policy_within_it(bound):
+    """One action table for every block: the MILP's bound (codec errors in quadrature) is
+    exact, so its optimum equals an exhaustive search over the tables within the bound; with
+    blocks split, every block is within the bound and no faster than the unbounded optimum."""
+    prof, static = _error_profile(2), 5 * MiB
+    ms, peak = exhaustive(prof, static, False, max_grad_error=bound)
+    free_ms, free_peak = exhaustive(prof, static, False)
+    split_ms, split_peak = exhaustive(prof, static, True)
+    lo, hi = int(peak.min()), no_checkpoint_budget(prof, static)
+    binds = False
+    for b in sorted({int(x) for x in np.linspace(lo, hi, 8)}):
+        kw = dict(static_nbytes=static, max_rel_error=None, mip_gap=0, max_grad_error=bound)
+        one = solve(prof, b, split_blocks=False, **kw)
+        assert one.added_ms == pytest.approx(best_time(ms, peak, b), abs=1e-6), b
+        split = solve(prof, b, **kw)
+        for sol in (one, split):
+            assert sol.policy.metadata["predicted"]["grad_error"] <= bound + 1e-9
+        free = best_time(free_ms, free_peak, b)
+        binds |= free < one.added_ms - 1e-6
+        assert split.added_ms >= best_time(split_ms, split_peak, b) - 1e-6
+    assert binds or bound >= 0.2

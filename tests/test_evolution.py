@@ -8,11 +8,17 @@ import torch
 
 from adacc_hf import assets, estimate_static_memory, measure_step_peak, profile_model
 from adacc_hf.codecs import get_codec
-from adacc_hf.evolution import OutlierTracker, TrackingSchedule, apply_stats
+from adacc_hf.evolution import (
+    CodecStats,
+    OutlierTracker,
+    TrackingSchedule,
+    apply_stats,
+    should_switch,
+)
 from adacc_hf.integrations.config import AdaccConfig
 from adacc_hf.integrations.session import AdaccSession
 from adacc_hf.integrations.shapes import shape_key
-from adacc_hf.solver import budget_between, solve
+from adacc_hf.solver import budget_between, predict, solve
 
 
 def test_tracking_steps_back_off_exponentially_and_reset_on_change():
@@ -29,7 +35,7 @@ def test_tracking_steps_back_off_exponentially_and_reset_on_change():
         TrackingSchedule(max_interval=0)
 
 
-def _setup(adaptive: bool):
+def _setup(adaptive: bool, max_codec_error: float = 0.3, max_grad_error: float | None = None):
     model = assets.tiny_model(
         "llama",
         seed=0,
@@ -53,7 +59,8 @@ def _setup(adaptive: bool):
         codecs=["int4_naive"],
         adaptive=adaptive,
         optimizer="sgd",
-        max_codec_error=0.3,
+        max_codec_error=max_codec_error,
+        max_grad_error=max_grad_error,
         head="full",  # the budget was placed between the full head's extremes
     )
     session = AdaccSession(model, cfg, profiles={shape_key(batch, False): prof})
@@ -122,6 +129,39 @@ def test_outlier_shift_switches_policy_at_the_next_tracking_step():
     assert any(errors[k] > 0.3 for k in before)
     assert after and all(errors[k] <= 0.3 for k in after)
     session.close()
+
+
+def test_gradient_error_drift_switches_to_a_policy_within_the_bound():
+    """Tracking scales an op's measured gradient error with its codec's live error: a policy
+    within the bound on the profile leaves it when its codecs' errors triple, the rectifier then
+    switches, and the new policy is within the bound again."""
+    from test_consistency import _error_profile
+
+    prof, static = _error_profile(2), 5 * 2**20
+    budget = budget_between(prof, static, 0.3)
+    kw = dict(static_nbytes=static, max_rel_error=None, max_grad_error=0.1)
+    first = solve(prof, budget, **kw).policy
+    used = {
+        (k, a.codec)
+        for v in first.groups["layers"].variants
+        for k, a in v.actions.items()
+        if a.kind == "compress"
+    }
+    assert used and predict(prof, first, static).grad_error <= 0.1
+    stats = {}
+    for op in prof.groups["layers"].ops:
+        for name, cp in op.codecs.items():
+            if (op.key, name) in used:
+                per = cp.nbytes / op.numel
+                stats[("layers", op.key, name)] = CodecStats(1, per, 3 * cp.rel_error, 0.0)
+    drifted, changes = apply_stats(prof, stats)
+    assert changes and predict(drifted, first, static).grad_error > 0.1
+    new = solve(drifted, budget, **kw).policy
+    assert predict(drifted, new, static).grad_error <= 0.1
+    assert should_switch(
+        drifted, first, new, static, budget_nbytes=budget, max_rel_error=1.0, max_grad_error=0.1
+    )
+    assert not should_switch(prof, first, new, static, budget_nbytes=budget, max_rel_error=1.0)
 
 
 def test_adaptive_off_never_tracks_or_switches():

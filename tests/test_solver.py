@@ -144,21 +144,27 @@ def small_ops(prefix, rng, n_ops, codecs=("int4_asym", "int4_channel")):
 ACTIONS = ("retain", "compress:int4_asym", "compress:int4_channel", "recompute")
 
 
-def block_options(g: GroupProfile, consistent: bool = False):
+def block_options(g: GroupProfile, consistent: bool = False, max_grad_error: float | None = None):
     """(ms, bytes, checkpointed) of every per-block assignment: no checkpoint, or a per-op tuple.
     ``consistent``: only assignments where no attention op (``attn_fused``) is kept after a
     lossily compressed op nor compressed itself (written out here, independently of
-    `adacc_hf.policy.consistency`)."""
+    `adacc_hf.policy.consistency`). ``max_grad_error``: only assignments whose compressed ops'
+    ``grad_error`` add up in quadrature to at most it."""
     rows = [(0.0, g.full_nbytes, False)]
     costs = []
     for o in g.ops:
-        c = [(0.0, o.retain_nbytes, "retain")]
-        c += [(o.codecs[n].ms, o.codecs[n].nbytes, "lossy") for n in ("int4_asym", "int4_channel")]
-        c.append((o.fwd_ms, 0, "recompute"))
+        c = [(0.0, o.retain_nbytes, "retain", 0.0)]
+        c += [
+            (o.codecs[n].ms, o.codecs[n].nbytes, "lossy", o.codecs[n].grad_error or 0.0)
+            for n in ("int4_asym", "int4_channel")
+        ]
+        c.append((o.fwd_ms, 0, "recompute", 0.0))
         costs.append(c)
     for combo in itertools.product(*costs):
+        if max_grad_error is not None and math.fsum(e * e for *_, e in combo) > max_grad_error**2:
+            continue
         if consistent:
-            kinds = [k for _, _, k in combo]
+            kinds = [k for _, _, k, _ in combo]
             stat = [o.layer_type == "attn_fused" for o in g.ops]
             if any(
                 s and (k == "lossy" or (k == "retain" and "lossy" in kinds[:i]))
@@ -167,8 +173,8 @@ def block_options(g: GroupProfile, consistent: bool = False):
                 continue
         rows.append(
             (
-                g.fixed_ms + math.fsum(t for t, _, _ in combo),
-                g.input_nbytes + sum(m for _, m, _ in combo),
+                g.fixed_ms + math.fsum(t for t, *_ in combo),
+                g.input_nbytes + sum(m for _, m, *_ in combo),
                 True,
             )
         )
@@ -179,7 +185,13 @@ def block_options(g: GroupProfile, consistent: bool = False):
     )
 
 
-def exhaustive(prof: Profile, static: int, split: bool, consistent: bool = False):
+def exhaustive(
+    prof: Profile,
+    static: int,
+    split: bool,
+    consistent: bool = False,
+    max_grad_error: float | None = None,
+):
     """Per configuration of all blocks: (total ms, step peak), over every assignment.
 
     The peak follows `solver.step`'s moments for these synthetic profiles (no gradients, nothing
@@ -189,7 +201,7 @@ def exhaustive(prof: Profile, static: int, split: bool, consistent: bool = False
     group the realised policy puts checkpointed blocks by ascending held, then the plain ones."""
     per_group = []  # per group: list of per-config option tuples (ms, [(held, T, ckpt)] in order)
     for g in prof.groups.values():
-        t, m, ck = block_options(g, consistent)
+        t, m, ck = block_options(g, consistent, max_grad_error)
         opts = range(len(t))
         combos = (
             itertools.product(opts, repeat=g.num_blocks)

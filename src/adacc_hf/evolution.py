@@ -225,6 +225,9 @@ def apply_stats(
                 f"{group}:{key} {codec}: {cp.nbytes} -> {nbytes} B, error "
                 f"{cp.rel_error:.3g} -> {err:.3g}, outliers {cp.n_outliers} -> {outl}"
             )
+        if cp.grad_error is not None and cp.rel_error > 0:
+            # what reaches the gradients scales with the codec's error on its input
+            cp.grad_error *= err / cp.rel_error
         cp.nbytes, cp.rel_error, cp.n_outliers = nbytes, err, outl
     return new, changes
 
@@ -238,15 +241,19 @@ def should_switch(
     budget_nbytes: int,
     max_rel_error: float,
     accumulation: int = 1,
+    max_grad_error: float | None = None,
 ) -> bool:
-    """Switch from `current` to `new` when `current` no longer fits the budget or uses a codec whose
-    measured error on `profile` is now above the limit, or when `new` is clearly (> 2 %) faster
+    """Switch from `current` to `new` when `current` no longer fits the budget, uses a codec whose
+    measured error on `profile` is now above the limit, or is predicted to move a block's
+    gradients more than `max_grad_error`, or when `new` is clearly (> 2 %) faster
     (both priced by their per-op sums, as the solver compares candidates: only `current`'s action
     tables may have been timed whole)."""
     if new.fingerprint() == current.fingerprint():
         return False
     cur = predict(profile, current, static, accumulation, measured_ms=False)
     if cur.peak_nbytes > budget_nbytes:
+        return True
+    if max_grad_error is not None and cur.grad_error > max_grad_error:
         return True
     errors = {
         (g.name, o.key, c.codec): c.rel_error

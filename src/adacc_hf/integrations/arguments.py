@@ -9,6 +9,7 @@ from transformers import TrainingArguments
 
 from ..errors import AdaccError, PolicyError
 from ..policy import Policy
+from ..solver import MAX_GRAD_ERROR
 from .callback import AdaccCallback, checkpointing_on
 from .config import AdaccConfig
 
@@ -69,6 +70,13 @@ class AdaccTrainingArguments(TrainingArguments):
         default=0.5,
         metadata=_help(
             "A codec whose relative error on an op exceeds this is not used for that op."
+        ),
+    )
+    adacc_max_grad_error: float | None = field(
+        default=MAX_GRAD_ERROR,
+        metadata=_help(
+            "Largest relative error of a block's gradients the codecs may cause, their measured "
+            "effects added in quadrature (0: no lossy codec; a negative value: no bound)."
         ),
     )
     adacc_solver: str = field(default="cbc", metadata=_help("MILP solver: 'cbc' or 'highs'."))
@@ -173,6 +181,11 @@ class AdaccTrainingArguments(TrainingArguments):
             solver=self.adacc_solver,
             solver_time_limit=self.adacc_solver_time_limit,
             max_codec_error=self.adacc_max_codec_error,
+            max_grad_error=(
+                None
+                if self.adacc_max_grad_error is None or self.adacc_max_grad_error < 0
+                else self.adacc_max_grad_error
+            ),
             split_blocks=self.adacc_split_blocks,
             head=self.adacc_head,
             max_seq_len=self.adacc_max_seq_len,

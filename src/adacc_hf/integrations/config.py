@@ -11,7 +11,7 @@ import torch
 from ..codecs import CodecError, get_codec
 from ..errors import AdaccError
 from ..schema import HEADS
-from ..solver import HEADROOM
+from ..solver import HEADROOM, MAX_GRAD_ERROR
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: The fields of `AdaccConfig` that are `solver.estimate_static_memory` options of the same name.
@@ -40,6 +40,9 @@ class AdaccConfig:
     solver: str = "cbc"
     solver_time_limit: float = 10.0
     max_codec_error: float = 0.5
+    # Bound on a block's gradient error (relative, input and parameter gradients), its lossy ops'
+    # measured errors added in quadrature (`profiler.fidelity`); None: no bound.
+    max_grad_error: float | None = MAX_GRAD_ERROR
     split_blocks: bool = True
     # A causal LM's head and loss: "full" (the default: logits returned as always), "chunked"
     # (`runtime.head`: no logits in training forwards with labels) or "auto" (the solver's pick)
@@ -86,6 +89,8 @@ class AdaccConfig:
             raise AdaccError(
                 f"mixed_precision must be 'bf16', 'fp16', 'no' or None, not {self.mixed_precision!r}"
             )
+        if self.max_grad_error is not None and not self.max_grad_error >= 0:
+            raise AdaccError(f"max_grad_error must be >= 0 or None, got {self.max_grad_error}")
         if self.gradient_accumulation_steps < 1:
             raise AdaccError("gradient_accumulation_steps must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 1:

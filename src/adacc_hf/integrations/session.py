@@ -23,13 +23,11 @@ from ..errors import AdaccError, BudgetError
 from ..evolution import (
     OutlierTracker,
     TrackingSchedule,
-    apply_stats,
-    should_switch,
-    tracking_room,
 )
 from ..policy import Policy
 from ..policy.display import describe, metrics
 from ..profiler import BlockProbe, measure_policy, profile_model
+from ..profiler.fidelity import policy_block_error
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.allocator import use_expandable_segments
 from ..runtime.peak import live_state_nbytes
@@ -49,14 +47,16 @@ from .coordinator import Coordinator, coordinator_for_process
 from .guard import ReservedGuard
 from .plans import AdaccEvent, Plan
 from .shapes import ShapeKey, key_text, key_tokens, padded, shape_key
+from .steps import StepHooks
 
 logger = logging.getLogger("adacc_hf")
 
 __all__ = ["AdaccConfig", "AdaccEvent", "AdaccSession", "Plan"]
 
 
-class AdaccSession:
-    """Owns the plans (profile + policy per bucket), the patch on the model and the rectifier."""
+class AdaccSession(StepHooks):
+    """Owns the plans (profile + policy per bucket), the patch on the model and the rectifier
+    (its per-step part: `steps.StepHooks`)."""
 
     def __init__(
         self,
@@ -133,9 +133,12 @@ class AdaccSession:
             self.budget_nbytes = parse_budget(self.config.budget, self.device, resident)
         return self.budget_nbytes
 
-    def solve(self, profile: Profile, reserve: int = 0) -> Policy:
+    def solve(
+        self, profile: Profile, reserve: int = 0, max_grad_error: float | None = None
+    ) -> Policy:
         """The policy for `profile` under the session's budget (keeping `headroom` free, and
-        `reserve` bytes below it: what the allocator reserved over the budget, `guard`)."""
+        `reserve` bytes below it: what the allocator reserved over the budget, `guard`), its
+        blocks' gradient error bounded by `max_grad_error` (default: the config's)."""
         c, static = self.config, self._static()
         acc = c.gradient_accumulation_steps
         budget = self._budget()
@@ -146,6 +149,7 @@ class AdaccSession:
             static_nbytes=static,
             codecs=c.codecs,
             max_rel_error=c.max_codec_error,
+            max_grad_error=c.max_grad_error if max_grad_error is None else max_grad_error,
             solver=c.solver,
             time_limit_s=c.solver_time_limit,
             split_blocks=c.split_blocks,
@@ -210,19 +214,27 @@ class AdaccSession:
         self, profile: Profile, probes: dict[str, BlockProbe], reserve: int = 0
     ) -> Policy:
         """Solve; measure and time the action tables the policy uses on the profiled blocks
-        (their real transients go into the profile) and solve again with them, up to twice; the
-        final policy's tables measured too, its predicted added time is theirs (`predict`)."""
-        policy = self.coordinator.share(lambda: self.solve(profile, reserve))
+        (their real transients go into the profile) and their blocks' gradient error, and solve
+        again with them, up to twice; the final policy's tables measured too, its predicted added
+        time is theirs (`predict`). A measured gradient error above ``max_grad_error`` (the solver
+        predicts it from single-op errors in quadrature) scales the bound down by the miss."""
+        bound = self.config.max_grad_error
+        policy = self.coordinator.share(lambda: self.solve(profile, reserve, bound))
         for attempt in range(3 if probes else 0):
             self._planning = True
             try:
                 rounds = self.config.profile_repeats
                 new = measure_policy(profile, probes, policy, self.autocast, rounds)
+                err = policy_block_error(probes, policy, self.autocast) if bound else 0.0
             finally:
                 self._planning = False
+            policy.metadata["measured_grad_error"] = err
+            limit = self.config.max_grad_error
+            if limit is not None and bound and err > 1.05 * limit and attempt < 2:
+                bound, new = bound * limit / err, True
             if not new or attempt == 2:
                 break
-            policy = self.coordinator.share(lambda: self.solve(profile, reserve))
+            policy = self.coordinator.share(lambda b=bound: self.solve(profile, reserve, b))
         pred = policy.metadata.get("predicted")
         if probes and isinstance(pred, dict) and "added_ms" in pred:
             acc = self.config.gradient_accumulation_steps
@@ -325,74 +337,6 @@ class AdaccSession:
     def active(self) -> bool:
         return self.handle is not None and self.handle.active
 
-    # --------------------------------------------------------------- evolution
-    def on_step_begin(self, step: int) -> None:
-        """Call before the forward of optimizer step `step` (1-based)."""
-        self.step = step
-        if (
-            self.config.adaptive
-            and self.active
-            and self.profile is not None
-            and self.schedule.is_tracking_step(step)
-        ):
-            room: tuple[int | None, int | None] = (None, None)  # None: no budget in bytes yet
-            if self.budget_nbytes is not None and self.policy is not None:
-                acc = self.config.gradient_accumulation_steps
-                room = tracking_room(
-                    self.profile, self.policy, self._static(), acc, self.budget_nbytes
-                )
-            self._tracker = OutlierTracker(self.profile, room=room[0], forward_room=room[1])
-            self.handle.set_tracker(self._tracker)
-
-    def on_step_end(self, step: int) -> AdaccEvent | None:
-        """Call after optimizer step `step`: the reserved-memory guard; on tracking steps,
-        re-solve and maybe switch."""
-        if self.active and not self.fixed:
-            guarded = self.guard.check(self.current, self.budget_nbytes, self.device, step)
-            if guarded is not None:
-                self.events.append(guarded)
-        tracker, self._tracker = self._tracker, None
-        if tracker is None or not self.active:
-            return None
-        self.handle.set_tracker(None)
-        stats = self.coordinator.merge(tracker.stats)
-        new_profile, changes = apply_stats(self.profile, stats)
-        for plan in self.plans.values():  # the other buckets re-solve when next used
-            if plan is not self.current and plan.profile is not None and changes:
-                plan.profile, _ = apply_stats(plan.profile, stats)
-                plan.stale = True
-        self.current.profile = new_profile
-
-        def decide() -> Policy:
-            new, c = self.solve(new_profile, self.current.reserve_nbytes), self.config
-            switch = should_switch(
-                new_profile, self.policy, new, self._static(), budget_nbytes=self.budget_nbytes or 0,
-                max_rel_error=c.max_codec_error, accumulation=c.gradient_accumulation_steps,
-            )  # fmt: skip
-            return new if switch else self.policy
-
-        new_policy = self.coordinator.share(decide)
-        changed = new_policy.fingerprint() != self.policy.fingerprint()
-        self.schedule.advance(step, changed)
-        if not changed:
-            event = AdaccEvent(step, "track", None, f"{len(changes)} codec statistics moved")
-            self.events.append(event)
-            return event
-        self.apply(new_policy)
-        msg = f"switched policy at step {step}: {describe(new_policy)}"
-        if changes:
-            msg += "; " + "; ".join(changes[:5])
-        logger.info("adacc %s", msg)
-        event = AdaccEvent(step, "switch", new_policy, msg, metrics(new_policy))
-        self.events.append(event)
-        return event
-
-    def step_done(self, step: int) -> AdaccEvent | None:
-        """For custom loops: call once after each optimizer step."""
-        event = self.on_step_end(step)
-        self.on_step_begin(step + 1)
-        return event
-
     def drain_events(self) -> list[AdaccEvent]:
         events, self.events = self.events, []
         return events
@@ -405,10 +349,6 @@ class AdaccSession:
             self.handle.remove()
         if self.model.__dict__.get("_adacc_session") is self:
             del self.model.__dict__["_adacc_session"]
-
-    def restore_schedule(self, state: dict[str, Any]) -> None:
-        """Continue a saved tracking schedule (resume)."""
-        self.schedule = TrackingSchedule.from_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -23,6 +23,7 @@ from ..adapters import get_adapter, unwrap_model
 from ..runtime.peak import storage_nbytes
 from ..runtime.trace import autocast_context, devices_of, run_representatives
 from ..schema import GroupProfile, Profile
+from .fidelity import measure_grad_errors
 from .head import measure_heads
 from .memory import StepMemory, measure, sharded
 from .ops import GroupOps, candidate_codecs, op_visitor, profile_codec
@@ -77,6 +78,8 @@ def profile_model(
     adapter = get_adapter(model)
     base = unwrap_model(model)
     device = next(base.parameters()).device
+    if probes is None:  # the gradient-error pass below runs on the profiled blocks
+        probes = {}
     handle = base.__dict__.get("_adacc_handle")
     active = handle.policy if handle is not None and handle.active else None
     if active is not None:
@@ -140,7 +143,7 @@ def profile_model(
     dev_name = str(device)
     if device.type == "cuda":
         dev_name += f" ({torch.cuda.get_device_name(device)})"
-    return Profile(
+    profile = Profile(
         model_type=base.config.model_type,
         adapter=adapter.name,
         adapter_version=adapter.version,
@@ -162,3 +165,8 @@ def profile_model(
         heads=heads,
         library_version=__version__,
     )
+    if probes:
+        with torch.random.fork_rng(devices=devices_of(base)):
+            measure_grad_errors(profile, probes, autocast)
+        profile.profile_ms = (time.perf_counter() - t_start) * 1e3
+    return profile

@@ -134,6 +134,7 @@ def scaled(ops: list[OpSpec], outputs: list, outs: set[int], ref: GroupProfile) 
                 n_outliers=cp.n_outliers,
                 encode_workspace_nbytes=round(cp.encode_workspace_nbytes * ratio),
                 decode_workspace_nbytes=round(cp.decode_workspace_nbytes * ratio),
+                grad_error=cp.grad_error,  # relative: carries over like rel_error
             )
         out.append(prof)
     mean = sum(ratios) / max(1, len(ratios))

@@ -25,6 +25,9 @@ class CodecProfile:
     n_outliers: int = 0
     encode_workspace_nbytes: int = 0  # peak temporaries of one encode, beyond the payload
     decode_workspace_nbytes: int = 0  # peak temporaries of one decode, beyond its output
+    # relative error of the profiled block's gradients with only this op compressed
+    # (`profiler.fidelity`); None: not measured
+    grad_error: float | None = None
 
     @property
     def ms(self) -> float:

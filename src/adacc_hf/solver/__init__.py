@@ -13,8 +13,10 @@ Rooms: `budget` (specs -> bytes), `static` (parameters, gradients, optimizer sta
 from .budget import describe_budget, parse_budget
 from .cost_model import (
     HEADROOM,
+    MAX_GRAD_ERROR,
     Prediction,
     budget_between,
+    grad_error_of,
     min_budget,
     no_checkpoint_budget,
     planned_budget,
@@ -26,6 +28,7 @@ from .step import StepEstimate, step_peak
 
 __all__ = [
     "HEADROOM",
+    "MAX_GRAD_ERROR",
     "Prediction",
     "Solution",
     "StaticMemory",
@@ -33,6 +36,7 @@ __all__ = [
     "budget_between",
     "describe_budget",
     "estimate_static_memory",
+    "grad_error_of",
     "least_memory_policy",
     "measured_static_memory",
     "min_budget",

@@ -33,6 +33,7 @@ from ..schema import (
     GroupProfile,
     OpProfile,
     Profile,
+    Variant,
     variant_key,
 )
 from .static import StaticMemory
@@ -60,6 +61,21 @@ class Prediction:
     unprofiled: list[str] = field(default_factory=list)  # "group/op:codec" sized, not timed
     moment: str = ""  # the moment that sets the peak
     moments: dict[str, int] = field(default_factory=dict)
+    grad_error: float = 0.0  # the largest predicted gradient error of a block (`grad_error_of`)
+
+
+def grad_error_of(profile: Profile, group: str, variant: Variant) -> float:
+    """A block's predicted gradient error under `variant`: its lossy ops' measured errors
+    (``CodecProfile.grad_error``, `profiler.fidelity`) in quadrature; unmeasured ones count 0."""
+    if not variant.checkpoint:
+        return 0.0
+    ops = {o.key: o for o in profile.groups[group].ops}
+    total = 0.0
+    for key, act in variant.actions.items():
+        op = ops.get(key)
+        if act.kind == "compress" and op is not None and act.codec in op.codecs:
+            total += (op.codecs[act.codec].grad_error or 0.0) ** 2
+    return math.sqrt(total)
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,7 @@ class Choice:
     action: Action
     ms: float
     nbytes: int
+    grad_error: float = 0.0  # the block's gradient error with only this op so (`fidelity`)
 
 
 @dataclass
@@ -75,6 +92,8 @@ class GroupModel:
     name: str
     prof: GroupProfile
     ops: list[tuple[OpProfile, list[Choice]]]  # cacheable ops, choices in canonical order
+    # a block's gradient error bound (errors of its lossy ops added in quadrature); None: none
+    max_grad_error: float | None = None
 
 
 def choices_for(
@@ -104,6 +123,7 @@ def choices_for(
                 Action.compress(name, **cp.params),
                 cp.ms,
                 cp.nbytes + op.side_nbytes,  # the op's other outputs stay exact
+                cp.grad_error or 0.0,
             )
         )
     cands.append(Choice("recompute", Action.recompute(), op.fwd_ms, 0))
@@ -114,7 +134,10 @@ def choices_for(
             return False
         for j, b in enumerate(cands):
             no_worse = j != i and b.ms <= a.ms and b.nbytes <= a.nbytes
-            if no_worse and (b.ms < a.ms or b.nbytes < a.nbytes or j < i):
+            no_worse = no_worse and b.grad_error <= a.grad_error
+            if no_worse and (
+                b.ms < a.ms or b.nbytes < a.nbytes or b.grad_error < a.grad_error or j < i
+            ):
                 return True
         return False
 
@@ -134,13 +157,17 @@ def codec_can_pay(op: OpProfile, codec: CodecProfile) -> bool:
 
 
 def group_models(
-    profile: Profile, codecs: set[str] | None, max_rel_error: float | None
+    profile: Profile,
+    codecs: set[str] | None,
+    max_rel_error: float | None,
+    max_grad_error: float | None = None,
 ) -> list[GroupModel]:
     return [
         GroupModel(
             name,
             g,
             [(op, choices_for(op, codecs, max_rel_error)) for op in g.ops if op.cacheable],
+            max_grad_error,
         )
         for name, g in sorted(profile.groups.items())
     ]
@@ -221,6 +248,8 @@ def budget_between(
 #: from block to block and batch to batch (the profile measures one block), and allocators
 #: fragment.
 HEADROOM = 0.03
+#: Default bound on a block's gradient error (`grad_error_of`; AdaccConfig.max_grad_error).
+MAX_GRAD_ERROR = 0.1
 
 
 def planned_budget(
@@ -363,4 +392,14 @@ def predict(
         unprofiled=unprofiled,
         moment=est.moment,
         moments=est.moments,
+        grad_error=max(
+            (
+                grad_error_of(profile, name, v)
+                for name, g in policy.groups.items()
+                if name in profile.groups
+                for v in g.variants
+                if v.count
+            ),
+            default=0.0,
+        ),
     )

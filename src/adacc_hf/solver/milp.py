@@ -99,7 +99,7 @@ def _classes(gm: GroupModel) -> list[tuple[list[OpProfile], list[Choice]]]:
     alone = _constrained(gm)
     by_key: dict[tuple, tuple[list[OpProfile], list[Choice]]] = {}
     for op, choices in gm.ops:
-        key = tuple((c.label, c.ms, c.nbytes) for c in choices)
+        key = tuple((c.label, c.ms, c.nbytes, c.grad_error) for c in choices)
         if op.key in alone:
             key = (op.key, *key)
         by_key.setdefault(key, ([], choices))[0].append(op)
@@ -122,6 +122,22 @@ def _constrained(gm: GroupModel) -> set[str]:
         if _lossy_labels(choices):
             before.append(op.key)
     return keys
+
+
+def _error_bound(prob: pulp.LpProblem, gi: int, classes: list, bound: float, hi: int) -> None:
+    """No block's gradient error above `bound`: the measured errors (`profiler.fidelity`) of the
+    lossy actions a group uses anywhere, added in quadrature (each class of m ops counted m
+    times: every block could hold all of them), ``sum e^2 m b <= bound^2`` with ``y <= hi m b``."""
+    terms = []
+    for ci, (ops, choices, ys) in enumerate(classes):
+        for ai, c in enumerate(choices):
+            if c.grad_error <= 0 or not lossy(c.action):
+                continue
+            b = _var(prob, f"e{gi}_{ci}_{ai}", 0, 1, pulp.LpBinary)
+            prob += ys[c.label] <= hi * len(ops) * b, f"uses_{gi}_{ci}_{ai}"
+            terms.append(c.grad_error**2 * len(ops) * b)
+    if terms:
+        prob += pulp.lpSum(terms) <= bound**2, f"grad_error_{gi}"
 
 
 def _consistency(prob: pulp.LpProblem, gi: int, gm: GroupModel, ys_of: dict, k: Any) -> None:
@@ -209,6 +225,8 @@ def solve_lp(
                     prob += ys[c.label] <= hi * w, f"keeps_{gi}_{ci}_{ai}"
             prob += pulp.lpSum(ys.values()) == m * k, f"one_action_{gi}_{ci}"
             y_vars[gm.name].append((ops, choices, ys))
+        if gm.max_grad_error is not None:
+            _error_bound(prob, gi, y_vars[gm.name], gm.max_grad_error, n if split_blocks else 1)
         singles = {ops[0].key: ys for ops, _, ys in y_vars[gm.name] if len(ops) == 1}
         if _constrained(gm):
             _consistency(prob, gi, gm, singles, k)

@@ -31,6 +31,7 @@ def solve(
     static_nbytes: int | StaticMemory = 0,
     codecs: Iterable[str] | None = None,
     max_rel_error: float | None = 0.5,
+    max_grad_error: float | None = None,
     solver: str = "cbc",
     time_limit_s: float = 10.0,
     split_blocks: bool = True,
@@ -43,7 +44,9 @@ def solve(
     ``budget`` is anything `parse_budget` reads (``%`` and ``auto`` refer to ``profile.device``);
     ``static_nbytes`` is the policy-independent memory (see `estimate_static_memory`). Only
     codecs named in ``codecs`` (default: all profiled) whose measured relative error is
-    ``<= max_rel_error`` (``None``: any) are used. The solver stops once its policy is provably
+    ``<= max_rel_error`` (``None``: any) are used; ``max_grad_error`` bounds each block's gradient
+    error (its lossy ops' measured ``grad_error`` added in quadrature, `profiler.fidelity`;
+    unmeasured codecs count 0). The solver stops once its policy is provably
     within ``mip_gap`` x (the added time of full recomputation) of the optimum (``0``: prove
     optimality; that can take seconds on near-symmetric blocks), or after ``time_limit_s`` with
     the best policy found. ``accumulation`` > 1: gradients are alive through every micro-batch
@@ -57,6 +60,7 @@ def solve(
         static_nbytes=static_nbytes,
         codecs=codecs,
         max_rel_error=max_rel_error,
+        max_grad_error=max_grad_error,
         solver=solver,
         time_limit_s=time_limit_s,
         split_blocks=split_blocks,
@@ -94,6 +98,7 @@ def _solve(
     static_nbytes: int | StaticMemory,
     codecs: Iterable[str] | None,
     max_rel_error: float | None,
+    max_grad_error: float | None,
     solver: str,
     time_limit_s: float,
     split_blocks: bool,
@@ -116,7 +121,9 @@ def _solve(
         raise ValueError(f"max_rel_error must be >= 0 or None, got {max_rel_error!r}")
     if accumulation < 1:
         raise ValueError(f"accumulation must be >= 1, got {accumulation!r}")
-    groups = group_models(profile, allowed, max_rel_error)
+    if max_grad_error is not None and not max_grad_error >= 0:
+        raise ValueError(f"max_grad_error must be >= 0 or None, got {max_grad_error!r}")
+    groups = group_models(profile, allowed, max_rel_error, max_grad_error)
     budget_nbytes = resolved.nbytes
     low, high = extreme_peaks(profile, static_nbytes, accumulation, head)
     if budget_nbytes < low.peak_nbytes:
@@ -247,6 +254,7 @@ def solve_policy(
     static_nbytes: int | StaticMemory = 0,
     codecs: Iterable[str] | None = None,
     max_rel_error: float | None = 0.5,
+    max_grad_error: float | None = None,
     solver: str = "cbc",
     time_limit_s: float = 10.0,
     split_blocks: bool = True,
@@ -261,6 +269,7 @@ def solve_policy(
         static_nbytes=static_nbytes,
         codecs=codecs,
         max_rel_error=max_rel_error,
+        max_grad_error=max_grad_error,
         solver=solver,
         time_limit_s=time_limit_s,
         split_blocks=split_blocks,

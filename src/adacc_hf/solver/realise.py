@@ -154,6 +154,7 @@ def solve_metadata(
             "peak_moment": pred.moment,
             "added_ms": sol.added_ms,
             "min_budget_nbytes": sol.min_budget_nbytes,
+            "grad_error": pred.grad_error,
         },
         "profile": {
             "device": profile.device,

@@ -1,0 +1,108 @@
+"""What a session does between optimizer steps: the reserved-memory guard and the rectifier.
+
+`StepHooks` is `AdaccSession`'s per-step half (a mixin: it reads the session's plans, config and
+handle). Before a step on the tracking schedule (1, 2, 4, ... steps apart) the rectifier arms an
+`evolution.OutlierTracker`; after it, the measured codec statistics update the profile, the
+policy is solved again and switched to when it is clearly better or the current one no longer
+holds (budget, codec error, gradient error). After every step the guard compares what CUDA's
+allocator reserved with the budget (`guard`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..evolution import (
+    OutlierTracker,
+    TrackingSchedule,
+    apply_stats,
+    should_switch,
+    tracking_room,
+)
+from ..policy import Policy
+from ..policy.display import describe, metrics
+from .plans import AdaccEvent
+
+if TYPE_CHECKING:
+    from .session import AdaccSession
+
+logger = logging.getLogger("adacc_hf")
+
+__all__ = ["StepHooks"]
+
+
+class StepHooks:
+    """The per-step half of `AdaccSession` (see the module docstring)."""
+
+    def on_step_begin(self: AdaccSession, step: int) -> None:
+        """Call before the forward of optimizer step `step` (1-based)."""
+        self.step = step
+        if (
+            self.config.adaptive
+            and self.active
+            and self.profile is not None
+            and self.schedule.is_tracking_step(step)
+        ):
+            room: tuple[int | None, int | None] = (None, None)  # None: no budget in bytes yet
+            if self.budget_nbytes is not None and self.policy is not None:
+                acc = self.config.gradient_accumulation_steps
+                room = tracking_room(
+                    self.profile, self.policy, self._static(), acc, self.budget_nbytes
+                )
+            self._tracker = OutlierTracker(self.profile, room=room[0], forward_room=room[1])
+            self.handle.set_tracker(self._tracker)
+
+    def on_step_end(self: AdaccSession, step: int) -> AdaccEvent | None:
+        """Call after optimizer step `step`: the reserved-memory guard; on tracking steps,
+        re-solve and maybe switch."""
+        if self.active and not self.fixed:
+            guarded = self.guard.check(self.current, self.budget_nbytes, self.device, step)
+            if guarded is not None:
+                self.events.append(guarded)
+        tracker, self._tracker = self._tracker, None
+        if tracker is None or not self.active:
+            return None
+        self.handle.set_tracker(None)
+        stats = self.coordinator.merge(tracker.stats)
+        new_profile, changes = apply_stats(self.profile, stats)
+        for plan in self.plans.values():  # the other buckets re-solve when next used
+            if plan is not self.current and plan.profile is not None and changes:
+                plan.profile, _ = apply_stats(plan.profile, stats)
+                plan.stale = True
+        self.current.profile = new_profile
+
+        def decide() -> Policy:
+            new, c = self.solve(new_profile, self.current.reserve_nbytes), self.config
+            switch = should_switch(
+                new_profile, self.policy, new, self._static(), budget_nbytes=self.budget_nbytes or 0,
+                max_rel_error=c.max_codec_error, accumulation=c.gradient_accumulation_steps,
+                max_grad_error=c.max_grad_error,
+            )  # fmt: skip
+            return new if switch else self.policy
+
+        new_policy = self.coordinator.share(decide)
+        changed = new_policy.fingerprint() != self.policy.fingerprint()
+        self.schedule.advance(step, changed)
+        if not changed:
+            event = AdaccEvent(step, "track", None, f"{len(changes)} codec statistics moved")
+            self.events.append(event)
+            return event
+        self.apply(new_policy)
+        msg = f"switched policy at step {step}: {describe(new_policy)}"
+        if changes:
+            msg += "; " + "; ".join(changes[:5])
+        logger.info("adacc %s", msg)
+        event = AdaccEvent(step, "switch", new_policy, msg, metrics(new_policy))
+        self.events.append(event)
+        return event
+
+    def step_done(self: AdaccSession, step: int) -> AdaccEvent | None:
+        """For custom loops: call once after each optimizer step."""
+        event = self.on_step_end(step)
+        self.on_step_begin(step + 1)
+        return event
+
+    def restore_schedule(self: AdaccSession, state: dict[str, Any]) -> None:
+        """Continue a saved tracking schedule (resume)."""
+        self.schedule = TrackingSchedule.from_state_dict(state)
