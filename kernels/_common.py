@@ -18,7 +18,10 @@ Two portability details:
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -175,6 +178,22 @@ def cast_out(y, out_ptr, OUT_BF16: tl.constexpr):
 
 
 # -- host helpers ------------------------------------------------------------------------
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.device(t.device)`` for a CUDA tensor (Triton launches on the *current*
+    device: a model split over GPUs needs the tensor's own); one shared no-op context for any
+    other tensor (nothing is called, nothing allocated)."""
+    return torch.cuda.device(t.device) if t.is_cuda else _NO_GUARD
+
+
+def launch(kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)`` on the device of ``args[0]``, without FMA contraction.
+    Every kernel of this package is launched through here."""
+    with device_guard(args[0]):
+        kernel[tuple(grid)](*args, **kwargs, **NO_FMA)
 
 
 def pow2(n: int) -> int:

@@ -19,12 +19,12 @@ import triton.language as tl
 
 from . import _common
 from ._common import (
-    NO_FMA,
     cast_out,
     cdiv,
     check_rows_input,
     flagged_scale,
     is_finite,
+    launch,
     num_warps,
     pow2,
     rmax,
@@ -129,7 +129,9 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, channels, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows, nb, dtype=torch.float32, device=x.device)
     block_r = _block_r(rows)
-    _fp8_encode_kernel[(cdiv(rows, block_r), nb)](
+    launch(
+        _fp8_encode_kernel,
+        (cdiv(rows, block_r), nb),
         x,
         q.view(torch.uint8),
         scale,
@@ -139,7 +141,6 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         BLOCK_R=block_r,
         BLOCK_C=BLOCK,
         num_warps=num_warps(block_r * BLOCK),
-        **NO_FMA,
     )
     return q, scale
 
@@ -154,7 +155,9 @@ def decode(
     if out is None:
         out = torch.empty(rows, channels, dtype=dtype, device=q.device)
     block_r = _block_r(rows)
-    _fp8_decode_kernel[(cdiv(rows, block_r), nb)](
+    launch(
+        _fp8_decode_kernel,
+        (cdiv(rows, block_r), nb),
         q.view(torch.uint8),
         scale,
         _store_view(out),
@@ -165,6 +168,5 @@ def decode(
         BLOCK_R=block_r,
         BLOCK_C=BLOCK,
         num_warps=num_warps(block_r * BLOCK),
-        **NO_FMA,
     )
     return out

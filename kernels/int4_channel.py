@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import NO_FMA, cdiv, check_rows_input, flagged_scale, pow2, sign_set, with_sign
+from ._common import cdiv, check_rows_input, flagged_scale, launch, pow2, sign_set, with_sign
 from ._triton import check_launchable
 from .int4 import SCALE_CHANNEL, launch_colpartial, launch_quant
 from .int4_decode import launch_dequant
@@ -42,8 +42,14 @@ def channel_scale(x: torch.Tensor) -> torch.Tensor:
     part = launch_colpartial(x, reduce_sum=False, target_blocks=max(16, cdiv(1024, col_blocks)))
     scale = torch.empty(channels, dtype=torch.float32, device=x.device)
     block_c = min(pow2(channels), 1024)
-    _colmax_scale_kernel[(cdiv(channels, block_c),)](
-        part, scale, part.shape[0], channels, BLOCK_C=block_c, **NO_FMA
+    launch(
+        _colmax_scale_kernel,
+        (cdiv(channels, block_c),),
+        part,
+        scale,
+        part.shape[0],
+        channels,
+        BLOCK_C=block_c,
     )
     return scale
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import NO_FMA, cast_out, cdiv, int4_unmark, num_warps, pow2, sign_set, store_view
+from ._common import cast_out, cdiv, int4_unmark, launch, num_warps, pow2, sign_set, store_view
 from .int4_quant import SCALE_SEGMENT, _dummy, _load_params
 
 
@@ -207,24 +207,26 @@ def launch_dequant(
         block_h = min(pow2(cp // 2), 512)
         block_r = max(1, min(_common.TILE // (2 * block_h), pow2(rows)))
         grid = (cdiv(rows, block_r), cdiv(cp // 2, block_h))
-        _dequant2d_kernel[grid](
+        launch(
+            _dequant2d_kernel,
+            grid,
             q,
             *common,
             **flags,
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             num_warps=num_warps(2 * block_r * block_h),
-            **NO_FMA,
         )
     else:
         block = min(pow2(rows * channels), _common.TILE)
-        _dequant_flat_kernel[(cdiv(rows * channels, block),)](
+        launch(
+            _dequant_flat_kernel,
+            (cdiv(rows * channels, block),),
             q,
             *common,
             rows * channels,
             **flags,
             BLOCK=block,
             num_warps=num_warps(block),
-            **NO_FMA,
         )
     return out

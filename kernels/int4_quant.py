@@ -21,9 +21,9 @@ import triton.language as tl
 
 from . import _common
 from ._common import (
-    NO_FMA,
     cdiv,
     is_finite,
+    launch,
     num_warps,
     pack_nibbles,
     pow2,
@@ -40,16 +40,22 @@ SCALE_ROW, SCALE_CHANNEL, SCALE_SEGMENT = 0, 1, 2
 def _colpartial_kernel(
     x_ptr,
     part_ptr,
+    counter_ptr,
     R,
     C,
     row_iters,
     SUM: tl.constexpr,
+    ZERO_COUNTER: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """part[pid_r, c] = sum (SUM) or max of the finite |x[r, c]| over the program's rows; a max
-    carries "the column holds inf / NaN" in its sign bit."""
+    carries "the column holds inf / NaN" in its sign bit. ZERO_COUNTER: program (0, 0) zeroes
+    the outlier selection's counter (:mod:`.int4_select`)."""
     pid_r = tl.program_id(0)
+    if ZERO_COUNTER:  # noqa: SIM102 (Triton: constexpr and runtime conditions apart)
+        if (pid_r == 0) & (tl.program_id(1) == 0):
+            tl.store(counter_ptr, 0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
     acc = tl.full([BLOCK_C], 0, dtype=tl.float32)
@@ -189,8 +195,11 @@ def _dummy(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tens
     return _dummy_cached(device, dtype)
 
 
-def launch_colpartial(x: torch.Tensor, *, reduce_sum: bool, target_blocks: int) -> torch.Tensor:
-    """Per-row-block column |x| sums or maxima [nrb, C] with about ``target_blocks`` blocks."""
+def launch_colpartial(
+    x: torch.Tensor, *, reduce_sum: bool, target_blocks: int, counter: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row-block column |x| sums or maxima [nrb, C] with about ``target_blocks`` blocks
+    (``counter``, if given, is zeroed on the way)."""
     rows, channels = x.shape
     block_c = min(pow2(channels), 128)
     block_r = max(1, min(_common.TILE // block_c, pow2(rows)))
@@ -199,17 +208,20 @@ def launch_colpartial(x: torch.Tensor, *, reduce_sum: bool, target_blocks: int) 
     row_blocks = cdiv(row_blocks, row_iters)
     part = torch.empty(row_blocks, channels, dtype=torch.float32, device=x.device)
     grid = (row_blocks, cdiv(channels, block_c))
-    _colpartial_kernel[grid](
+    launch(
+        _colpartial_kernel,
+        grid,
         x,
         part,
+        counter if counter is not None else _dummy(x.device),
         rows,
         channels,
         row_iters,
         SUM=reduce_sum,
+        ZERO_COUNTER=counter is not None,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         num_warps=num_warps(block_r * block_c),
-        **NO_FMA,
     )
     return part
 
@@ -233,7 +245,9 @@ def launch_quant(
         width = min(pow2(channels), 1024)
         block_r = max(1, min(_common.TILE // width, pow2(rows)))
         grid = (cdiv(rows, block_r), cdiv(channels, width))
-        _quant2d_kernel[grid](
+        launch(
+            _quant2d_kernel,
+            grid,
             x,
             q,
             scale,
@@ -247,12 +261,13 @@ def launch_quant(
             BLOCK_R=block_r,
             BLOCK_W=width,
             num_warps=num_warps(block_r * width),
-            **NO_FMA,
         )
         return
     n_bytes = q.numel()
     block = min(pow2(n_bytes), _common.TILE // 2)
-    _quant_flat_kernel[(cdiv(n_bytes, block),)](
+    launch(
+        _quant_flat_kernel,
+        (cdiv(n_bytes, block),),
         x,
         q,
         scale,
@@ -270,5 +285,4 @@ def launch_quant(
         HAS_OUT=slot is not None,
         BLOCK=block,
         num_warps=num_warps(2 * block),
-        **NO_FMA,
     )
