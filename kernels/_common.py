@@ -222,9 +222,9 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_rows_input(x: torch.Tensor) -> tuple[int, int]:
-    """(rows, channels) of a 2-D contiguous float input."""
-    if x.dim() != 2 or not x.is_contiguous():
-        raise ValueError(f"kernels expect a contiguous [rows, channels] tensor, got {x.shape}")
+    """(rows, channels) of a 2-D float input (any strides: kernels read through them)."""
+    if x.dim() != 2:
+        raise ValueError(f"kernels expect a [rows, channels] tensor, got {x.shape}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"kernels support float32/float16/bfloat16, got {x.dtype}")
     return x.shape[0], x.shape[1]

@@ -66,6 +66,8 @@ def _seg_encode_kernel(
     idx_ptr,
     R,
     C,
+    sxr,
+    sxc,
     SEG,
     NSEG,
     n_out,
@@ -95,7 +97,7 @@ def _seg_encode_kernel(
         channel = tl.load(idx_ptr + j)
         if channel < 0:  # an unused slot of the fixed-size outlier buffer
             for it in range(row_iters):
-                rows = (pid_r * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
+                rows = (pid_r.to(tl.int64) * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
                 _zero_unused(values_ptr, idx_ptr, rows, rows < R, n_out, j, 1, BLOCK_K)
             return
         seg = channel // SEG
@@ -107,7 +109,7 @@ def _seg_encode_kernel(
         if WRITE_VALUES:  # noqa: SIM102 (Triton: constexpr and runtime conditions apart)
             if seg == 0:
                 for it in range(row_iters):
-                    rows = (pid_r * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
+                    rows = (pid_r.to(tl.int64) * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
                     _zero_unused(values_ptr, idx_ptr, rows, rows < R, n_out, 0, n_out, BLOCK_K)
     if COLSUM:  # noqa: SIM102 (Triton: constexpr and runtime conditions apart)
         if (pid_r == 0) & (seg == 0):
@@ -117,7 +119,7 @@ def _seg_encode_kernel(
     w = tl.arange(0, BLOCK_W)
     colacc = tl.full([BLOCK_W], 0, dtype=tl.float32)
     for it in range(row_iters):
-        rows = (pid_r * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = (pid_r.to(tl.int64) * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < R
         if SINGLE_CHUNK:
             cols = seg_start + w
@@ -128,7 +130,8 @@ def _seg_encode_kernel(
                 rmask,
                 cols,
                 cmask,
-                C,
+                sxr,
+                sxc,
                 slot_ptr,
                 values_ptr,
                 n_out,
@@ -157,7 +160,8 @@ def _seg_encode_kernel(
                     rmask,
                     cols,
                     cmask,
-                    C,
+                    sxr,
+                    sxc,
                     slot_ptr,
                     values_ptr,
                     n_out,
@@ -204,7 +208,8 @@ def _seg_encode_kernel(
                         rmask,
                         cols,
                         cmask,
-                        C,
+                        sxr,
+                        sxc,
                         slot_ptr,
                         values_ptr,
                         n_out,
@@ -300,6 +305,8 @@ def launch_seg_encode(
         idx if idx is not None else _dummy(dev),
         rows,
         channels,
+        x.stride(0),
+        x.stride(1),
         seg,
         nseg,
         n_out,

@@ -77,11 +77,11 @@ def _dequant2d_kernel(
     BLOCK_H: tl.constexpr,
 ):
     """Decode a [BLOCK_R, 2 * BLOCK_H] tile of out [R, C] (CP even, bytes [R, CP // 2])."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < R
     hm = rmask[:, None] & (h < CP // 2)[None, :]
-    byte = tl.load(q_ptr + rows[:, None].to(tl.int64) * (CP // 2) + h[None, :], mask=hm, other=0)
+    byte = tl.load(q_ptr + rows[:, None] * (CP // 2) + h[None, :], mask=hm, other=0)
     byte = byte.to(tl.int32)
     nib = tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_R, 2 * BLOCK_H])
     cols = tl.program_id(1) * (2 * BLOCK_H) + tl.arange(0, 2 * BLOCK_H)
@@ -104,7 +104,7 @@ def _dequant2d_kernel(
         HAS_OUT,
         OUT_BF16,
     )
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y, mask=m)
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], y, mask=m)
 
 
 @triton.jit

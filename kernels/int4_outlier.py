@@ -39,6 +39,11 @@ from .int4_decode import launch_dequant
 from .int4_select import launch_select, workspace
 from .selection import slot_dtype
 
+# Pass 1 writes column sums for about max(COLSUM_MIN_BLOCKS, COLSUM_PROGRAMS / groups) row
+# blocks (enough programs to fill a GPU; tests lower them to loop over rows on small inputs).
+COLSUM_MIN_BLOCKS = 8
+COLSUM_PROGRAMS = 1024
+
 
 @triton.jit
 def _slot_kernel(idx_ptr, slot_ptr, C, n, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -101,7 +106,7 @@ def encode(
         zero = torch.zeros((), dtype=torch.int32, device=dev)
         return q, scale, x.new_empty((rows, 0)), empty, zero, empty.view(torch.int8)
     fused = group % 2 == 0 and group <= _common.MAX_SEGMENT_WIDTH
-    target_blocks = max(8, cdiv(1024, nseg))
+    target_blocks = max(COLSUM_MIN_BLOCKS, cdiv(COLSUM_PROGRAMS, nseg))
     ws, counter = workspace(channels, dev)
     if fused:
         q = torch.empty((rows * padded + 1) // 2, dtype=torch.uint8, device=dev)

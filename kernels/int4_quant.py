@@ -43,6 +43,8 @@ def _colpartial_kernel(
     counter_ptr,
     R,
     C,
+    sxr,
+    sxc,
     row_iters,
     SUM: tl.constexpr,
     ZERO_COUNTER: tl.constexpr,
@@ -61,9 +63,10 @@ def _colpartial_kernel(
     acc = tl.full([BLOCK_C], 0, dtype=tl.float32)
     bad = tl.full([BLOCK_C], 0, dtype=tl.int32)
     for it in range(row_iters):
-        rows = (pid_r * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = (pid_r.to(tl.int64) * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
         m = (rows < R)[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
+        offs = rows[:, None] * sxr + cols[None, :].to(tl.int64) * sxc
+        x = tl.load(x_ptr + offs, mask=m, other=0.0)
         x = x.to(tl.float32)
         fin = is_finite(x)
         a = tl.where(fin, tl.abs(x), 0.0)
@@ -112,6 +115,8 @@ def _quant2d_kernel(
     offset_ptr,
     R,
     C,
+    sxr,
+    sxc,
     NSEG,
     SCALE_MODE: tl.constexpr,
     SEG: tl.constexpr,
@@ -121,12 +126,13 @@ def _quant2d_kernel(
 ):
     """Quantise + pack with given per-row / per-channel / per-segment parameters (C even);
     scales may be flagged (sign bit): their magnitude quantises, markers for non-finite x."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     rmask = rows < R
     cmask = w < C
     m = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + w[None, :], mask=m, other=0.0)
+    offs = rows[:, None] * sxr + w[None, :].to(tl.int64) * sxc
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
     x = x.to(tl.float32)
     scale, offset = _load_params(
         scale_ptr, offset_ptr, rows[:, None], w[None, :], m, NSEG, SCALE_MODE, SEG, HAS_OFFSET
@@ -136,7 +142,7 @@ def _quant2d_kernel(
     q = quantize_robust(x, tl.abs(scale), is_finite(x))
     q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_R, BLOCK_W // 2, 2]))
     h = tl.program_id(1) * (BLOCK_W // 2) + tl.arange(0, BLOCK_W // 2)
-    offs = rows[:, None].to(tl.int64) * (C // 2) + h[None, :]
+    offs = rows[:, None] * (C // 2) + h[None, :]
     tl.store(q_ptr + offs, pack_nibbles(q_even, q_odd), mask=rmask[:, None] & (2 * h < C)[None, :])
 
 
@@ -149,6 +155,8 @@ def _quant_flat_kernel(
     slot_ptr,
     R,
     C,
+    sxr,
+    sxc,
     CP,
     NSEG,
     n_codes,
@@ -168,7 +176,7 @@ def _quant_flat_kernel(
     row = e // CP
     col = e % CP
     m = inside & (col < C)
-    x = tl.load(x_ptr + row * C + col, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * sxr + col * sxc, mask=m, other=0.0).to(tl.float32)
     if HAS_OUT:
         slot = tl.load(slot_ptr + col, mask=m, other=-1)
         x = tl.where(slot >= 0, 0.0, x)
@@ -216,6 +224,8 @@ def launch_colpartial(
         counter if counter is not None else _dummy(x.device),
         rows,
         channels,
+        x.stride(0),
+        x.stride(1),
         row_iters,
         SUM=reduce_sum,
         ZERO_COUNTER=counter is not None,
@@ -254,6 +264,8 @@ def launch_quant(
             offset if offset is not None else _dummy(dev, torch.float32),
             rows,
             channels,
+            x.stride(0),
+            x.stride(1),
             nseg,
             SCALE_MODE=mode,
             SEG=seg,
@@ -275,6 +287,8 @@ def launch_quant(
         slot if slot is not None else _dummy(dev),
         rows,
         channels,
+        x.stride(0),
+        x.stride(1),
         cp,
         nseg,
         rows * cp,

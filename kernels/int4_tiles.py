@@ -25,20 +25,23 @@ def _load_seg_tile(
     rmask,
     cols,
     cmask,
-    C,
+    sxr,
+    sxc,
     slot_ptr,
     values_ptr,
     n_out,
     HAS_OUT: tl.constexpr,
     WRITE_VALUES: tl.constexpr,
 ):
-    """float32 tile of x; outlier channels (``slot >= 0``) copied to ``values`` and zeroed.
+    """float32 tile of x (strides ``sxr``, ``sxc``); outlier channels (``slot >= 0``) copied to
+    ``values`` and zeroed.
 
     Also returns ``|x|`` before zeroing, 0 for non-finite elements (the column statistics see
     every channel, finite values only).
     """
     m = rmask[:, None] & cmask[None, :]
-    raw = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
+    offs = rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc
+    raw = tl.load(x_ptr + offs, mask=m, other=0.0)
     x = raw.to(tl.float32)
     absx = tl.where(is_finite(x), tl.abs(x), 0.0)
     if HAS_OUT:
