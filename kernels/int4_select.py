@@ -99,6 +99,7 @@ def _finish(
         z = tl.where(ok, tl.math.div_rn(s - mean, safe_std), -float("inf"))
         hot += (m & (z > threshold)).to(tl.int32)
         tl.store(key_ptr + cols, order_key(z), mask=m)
+    tl.debug_barrier()  # the keys are re-read by other threads of this program
     count = rsum(hot, 0)
     tl.store(count_ptr, count)
     # cut: channels with key > tau, then those with key == tau (ascending) while need > 0

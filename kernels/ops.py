@@ -7,7 +7,8 @@ implementations give output shapes and dtypes without running anything, so ``tor
 (``int4_outlier_encode``'s outlier buffer has ``capacity`` slots, its slot map one entry per
 channel), so none is data-dependent.
 
-Inputs of the encode ops are contiguous [rows, channels] tensors (``bitpack_encode``: flat);
+Inputs of the encode ops are [rows, channels] tensors, read through their strides
+(``bitpack_encode``: flat, contiguous);
 decode ops take the payload plus the sizes and dtype to rebuild (``[rows, channels]``; bitpack:
 flat ``[numel]``). Outputs never alias inputs. The plain functions also take ``out=`` (decode
 into a given tensor); the ops are functional. ``DIRECT[name]`` is the undecorated function of

@@ -82,14 +82,14 @@ class Int4OutlierCodec(Codec):
     The outlier buffer has a fixed capacity, ``ceil(C * max_outlier_fraction)`` channels (at
     least 1; none when C < 2), so the payload size never depends on the data and encoding never
     waits for the device. Payload: ``outlier_idx`` int32 [K] (ascending, unused slots -1 at the
-    end), ``outlier_values`` [rows, K] in the original dtype (0 in unused slots), then with
+    end), ``outlier_values`` [rows, K] in the original dtype (0 in unused slots),
     ``outlier_slot`` [C] (empty when K is 0): each channel's slot, -1 for the others, in the
     narrowest integer dtype that holds K (``slot_dtype``: int8 up to 128 slots, then int16), so
-    decoding needs no search; then with
-    those channels zeroed: ``q`` packed nibbles of the [rows, Cp] codes (Cp = channels
-    zero-padded to a multiple of ``group_size``) and ``scale`` float32 [rows, Cp // group_size]
-    with ``scale = absmax / 7``. ``meta["outlier_count"]``: a 0-dim int32 device tensor, the number of
-    channels above the threshold (more than K means the K with the largest z were kept).
+    decoding needs no search; then, with those channels zeroed, ``q`` packed nibbles of the
+    [rows, Cp] codes (Cp = channels zero-padded to a multiple of ``group_size``) and ``scale``
+    float32 [rows, Cp // group_size] with ``scale = absmax / 7``. ``meta["outlier_count"]``: a
+    0-dim int32 device tensor, the number of channels above the threshold (more than K means
+    the K with the largest z were kept; equal z at the cut: the lower channels).
     """
 
     name = "int4_outlier"
