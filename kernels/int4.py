@@ -76,7 +76,6 @@ def _seg_encode_kernel(
     DIVISOR: tl.constexpr,
     ASYM: tl.constexpr,
     WRITE_Q: tl.constexpr,
-    WRITE_STATS: tl.constexpr,
     COLSUM: tl.constexpr,
     HAS_OUT: tl.constexpr,
     WRITE_VALUES: tl.constexpr,
@@ -175,11 +174,10 @@ def _seg_encode_kernel(
                 bad = tl.maximum(bad, bad_c)
                 anyf = tl.maximum(anyf, anyf_c)
             scale, offset, flag = _seg_params(amax, mx, mn, bad, anyf, rmask, DIVISOR, ASYM)
-        if WRITE_STATS:
-            soffs = rows.to(tl.int64) * NSEG + seg
-            tl.store(scale_ptr + soffs, with_sign(scale, flag), mask=rmask)
-            if ASYM:
-                tl.store(offset_ptr + soffs, offset, mask=rmask)
+        soffs = rows * NSEG + seg
+        tl.store(scale_ptr + soffs, with_sign(scale, flag), mask=rmask)
+        if ASYM:
+            tl.store(offset_ptr + soffs, offset, mask=rmask)
         if WRITE_Q:
             if SINGLE_CHUNK:
                 _quant_pack_store(
@@ -262,7 +260,6 @@ def launch_seg_encode(
     slot: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
     idx: torch.Tensor | None = None,
-    write_stats: bool = True,
     fixup: bool = False,
 ) -> torch.Tensor | None:
     """Run :func:`_seg_encode_kernel` over x [R, C] in segments of ``seg`` channels.
@@ -315,7 +312,6 @@ def launch_seg_encode(
         DIVISOR=float(divisor),
         ASYM=asym,
         WRITE_Q=q is not None,
-        WRITE_STATS=write_stats,
         COLSUM=colsum is not None,
         HAS_OUT=slot is not None,
         WRITE_VALUES=values is not None,

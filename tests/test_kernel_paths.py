@@ -21,13 +21,15 @@ from kernel_support import (  # first: sets up Triton's interpreter before kerne
 
 # isort: split
 from adacc_kernels import _common as kcommon
+from adacc_kernels import bitpack as kbitpack
 from adacc_kernels import fp8 as kfp8
 from adacc_kernels import int4_asym as kasym
 from adacc_kernels import int4_channel as kchannel
 from adacc_kernels import int4_naive as knaive
 from adacc_kernels import int4_outlier as koutlier
 from adacc_kernels import int4_select
-from adacc_kernels.int4 import launch_seg_encode
+from adacc_kernels.int4 import SCALE_ROW, launch_quant, launch_seg_encode
+from adacc_kernels.int4_decode import launch_dequant
 from launch_count import LaunchCounter
 
 from adacc_hf.codecs import dispatch, get_codec
@@ -200,3 +202,47 @@ def test_selection_programs_and_row_blocks_give_the_reference_selection(small_bl
         got = koutlier.encode(x, 16, 3.0, 3)
         assert torch.equal(got[3], ref.tensors["outlier_idx"])
         assert torch.equal(got[4], ref.meta["outlier_count"])
+
+
+def test_bool_masks_over_several_programs_and_a_quantiser_with_given_offsets(small_blocks):
+    """Bitpack of a bool mask over 3 programs (only program 0 writes the flags); the 2-D
+    quantiser with given per-row offsets gives the asymmetric codec's codes."""
+    mask = (torch.rand(150, generator=gen(2)) > 0.5).to(DEVICE)
+    bits, scale, flags = kbitpack.encode(mask)
+    _, ref, _ = reference("bitpack", mask)
+    assert_bits_equal(bits, ref.tensors["bits"], "bits")
+    assert flags.tolist() == [0, 0] and not scale
+    assert_bits_equal(kbitpack.decode(bits, scale, 150, torch.bool), mask, "decode")
+    x = randn((9, 64), torch.bfloat16) + 2
+    _, ref, _ = reference("int4_asym", x)
+    q = torch.empty(9 * 32, dtype=torch.uint8, device=DEVICE)
+    scale, offset = ref.tensors["scale"], ref.tensors["offset"]
+    launch_quant(x, q, scale, mode=SCALE_ROW, cp=64, offset=offset)
+    assert_bits_equal(q, ref.tensors["q"], "q")
+
+
+def test_launchers_reject_inputs_they_cannot_encode():
+    from adacc_kernels._triton import KernelUnavailableError, check_launchable, triton_version
+
+    assert triton_version() == __import__("triton").__version__
+    with pytest.raises(KernelUnavailableError, match="CUDA tensors only"):
+        check_launchable(torch.device("meta"))
+    x = randn((4, 8), torch.float32)
+    q = torch.empty(16, dtype=torch.uint8, device=DEVICE)
+    scale = torch.empty(4, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="rows, channels"):
+        knaive.encode(x.reshape(-1), 0)
+    with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+        knaive.encode(x.to(torch.float64), 0)
+    with pytest.raises(ValueError, match="flat contiguous"):
+        kbitpack.encode(x > 0)
+    with pytest.raises(ValueError, match="even segment"):
+        launch_seg_encode(x, 3, 3, asym=False, q=q, scale=scale)
+    with pytest.raises(ValueError, match="outlier buffer idx"):
+        launch_seg_encode(x, 8, 1, asym=False, scale=scale, values=x.new_empty(4, 1))
+    with pytest.raises(ValueError, match="one register tile"):
+        launch_seg_encode(
+            randn((4, 5000), torch.float32), 5000, 1, asym=False, scale=scale, colsum_rows=2
+        )
+    with pytest.raises(ValueError, match="contiguous"):
+        launch_dequant(q, scale, 4, 8, torch.float32, mode=SCALE_ROW, cp=8, out=x.t())
