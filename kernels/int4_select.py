@@ -103,9 +103,8 @@ def _finish(
     count = rsum(hot, 0)
     tl.store(count_ptr, count)
     # cut: channels with key > tau, then those with key == tau (ascending) while need > 0
-    tau = order_key(
-        threshold + tl.full([], 0, dtype=tl.float32)
-    )  # a python float in the interpreter
+    thr = threshold + tl.full([], 0, dtype=tl.float32)  # a python float in the interpreter
+    tau = order_key(thr)
     need = tl.full([], 0, dtype=tl.int32)
     if count > capacity:
         lo = tau + 1  # count(key >= lo) = count >= capacity
