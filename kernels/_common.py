@@ -123,7 +123,7 @@ def quantize_robust(x, scale, fin):
     return tl.where(fin, quantize_sym(tl.where(fin, x, 0.0), scale), int4_markers(x))
 
 
-FLT_MIN: tl.constexpr = 1.1754943508222875e-38  # a flagged segment's smallest scale
+FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # a flagged segment's smallest scale
 
 
 @triton.jit

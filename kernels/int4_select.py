@@ -32,8 +32,8 @@ import triton.language as tl
 
 from ._common import cdiv, cumsum, launch, pow2, rsum
 
-INT32_MIN: tl.constexpr = -2147483648
-KEY_ABOVE_INF: tl.constexpr = 0x7F800001  # key(+inf) + 1: no key reaches it
+INT32_MIN = tl.constexpr(-2147483648)
+KEY_ABOVE_INF = tl.constexpr(0x7F800001)  # key(+inf) + 1: no key reaches it
 
 
 @triton.jit
