@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # On a machine without CUDA, pin the local CPU build of torch so pip never pulls CUDA wheels.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo memory-demo test test-all test-dist gpu-first bench-cpu bench-dispatch accuracy bench-codecs plan-sweep max-batch families-table lint format clean
+.PHONY: setup demo memory-demo test test-all test-dist gpu-first bench-cpu bench-dispatch accuracy bench-codecs plan-sweep max-batch families-table kernel-coverage lint format clean
 
 setup: $(VENV)/.installed
 
@@ -74,6 +74,13 @@ max-batch: setup
 families-table: setup
 	ADACC_FAMILY_REPORT=benchmarks/results/families-cpu.json $(PY) -m pytest -q tests/test_families.py
 	$(PY) benchmarks/families_table.py benchmarks/results/families-cpu.json --readme README.md
+
+# Line and branch coverage of kernels/ under Triton's CPU interpreter (kernel bodies run as Python).
+KERNEL_TESTS := tests/test_kernels.py tests/test_kernel_paths.py tests/test_kernel_launches.py tests/test_kernel_offsets.py
+kernel-coverage: setup
+	rm -f .coverage .coverage.*
+	$(PY) -m coverage run -p --branch --source=kernels -m pytest -q $(KERNEL_TESTS)
+	$(PY) -m coverage combine -q && $(PY) -m coverage report -m --skip-empty
 
 lint: setup
 	$(VENV)/bin/ruff check .

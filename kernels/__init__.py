@@ -6,11 +6,12 @@ The references live in ``adacc_hf.codecs`` (``base.py`` fixes the arithmetic and
 
 * one module per codec with the Triton kernels and host launch code: :mod:`.int4_naive`,
   :mod:`.int4_outlier`, :mod:`.int4_channel`, :mod:`.int4_asym` (all built on the shared INT4
-  kernels of :mod:`.int4` (fused segment encoder), :mod:`.int4_quant` (column reductions,
-  quantisers) and :mod:`.int4_decode`), :mod:`.bitpack`, :mod:`.fp8`; functions take and return
-  plain tensors ([rows, channels] inputs, payload tensors as in the references; decoders also
-  write into a given ``out=``); :mod:`.selection` is the torch step of the outlier selection
-  that kernels and reference share;
+  kernels of :mod:`.int4` (fused segment encoder, its device helpers in :mod:`.int4_tiles`),
+  :mod:`.int4_quant` (column reductions, quantisers), :mod:`.int4_decode` and
+  :mod:`.int4_select` (the outlier selection)), :mod:`.bitpack`, :mod:`.fp8`; functions take
+  and return plain tensors ([rows, channels] inputs, payload tensors as in the references;
+  decoders also write into a given ``out=``); :mod:`.selection` is the outlier selection rule
+  in torch (the reference the kernel follows) and the buffer sizes both share;
 * :mod:`.ops`: the same functions as ``torch.ops.adacc.*`` custom ops with fake
   implementations (traceable by ``torch.compile`` / ``make_fx``);
 * the codec glue in ``adacc_hf.codecs.dispatch`` (``Encoded`` payloads <-> ops).
@@ -24,12 +25,20 @@ int4_naive     1 read of x, 1 write of P (stats + quantise + pack fused)        
 int4_asym      1 read of x, 1 write (per-row min/max fused; rows wider than a      1 + 1
                register tile re-read once from cache)
 int4_channel   2 reads of x (column absmax needs every row first), 1 write       1 + 1
-int4_outlier   1 read + column sums fused; one tiny z-score kernel and a top-k   1 + 1
-               into the fixed-size outlier buffer; groups holding outliers        (gather of
-               re-read and rewritten (gather of the exact values fused there)     outliers)
-bitpack        1 read, 1 write (float masks: per-program stats)                  1 + 1
+int4_outlier   1 read + column sums fused; one selection launch (z-scores,       1 + 1
+               threshold, top capacity, slot map); groups holding outliers       (gather via
+               re-read and rewritten (gather of the exact values fused there)    the slot map)
+bitpack        1 read, 1 write (float masks: per-program stats, then a           1 + 1
+               one-program finaliser)
 fp8_e4m3       1 read, 1 write (per-block absmax fused)                          1 + 1
 =============  ================================================================  ===========
+
+Launches per call: 1 (int4_naive, int4_asym, fp8, bool bitpack) or 2 (float bitpack) per
+encode, int4_channel 3, int4_outlier 3 (odd groups 4); every decode 1
+(``tests/test_kernel_launches.py`` pins them). Every launch goes through
+:func:`._common.launch` (a CUDA tensor's launches run under ``torch.cuda.device`` of its device).
+Encoders read inputs through their strides (no copy for transposed or sliced views); offsets are
+64-bit (``tests/test_kernel_offsets.py``).
 
 Odd layouts (an odd number of codes per row, so bytes straddle rows) use a statistics pass plus a
 "flat" quantiser that walks the byte array (one more read). No kernel launch waits for the

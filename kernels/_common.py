@@ -18,7 +18,10 @@ Two portability details:
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -176,6 +179,22 @@ def cast_out(y, out_ptr, OUT_BF16: tl.constexpr):
 
 # -- host helpers ------------------------------------------------------------------------
 
+_NO_GUARD = contextlib.nullcontext()
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.device(t.device)`` for a CUDA tensor (Triton launches on the *current*
+    device: a model split over GPUs needs the tensor's own); one shared no-op context for any
+    other tensor (nothing is called, nothing allocated)."""
+    return torch.cuda.device(t.device) if t.is_cuda else _NO_GUARD
+
+
+def launch(kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)`` on the device of ``args[0]``, without FMA contraction.
+    Every kernel of this package is launched through here."""
+    with device_guard(args[0]):
+        kernel[tuple(grid)](*args, **kwargs, **NO_FMA)
+
 
 def pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
@@ -203,9 +222,9 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_rows_input(x: torch.Tensor) -> tuple[int, int]:
-    """(rows, channels) of a 2-D contiguous float input."""
-    if x.dim() != 2 or not x.is_contiguous():
-        raise ValueError(f"kernels expect a contiguous [rows, channels] tensor, got {x.shape}")
+    """(rows, channels) of a 2-D float input (any strides: kernels read through them)."""
+    if x.dim() != 2:
+        raise ValueError(f"kernels expect a [rows, channels] tensor, got {x.shape}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"kernels support float32/float16/bfloat16, got {x.dtype}")
     return x.shape[0], x.shape[1]

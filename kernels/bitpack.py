@@ -2,9 +2,10 @@
 
 Encode: one pass; each program packs 8 elements per byte (element ``i`` -> bit ``i % 8`` of
 byte ``i // 8``). Float masks are read as raw bit patterns and the same pass writes per-program
-statistics (min / max nonzero pattern, any nonzero, any ``-0.0``); a few tiny torch reductions
-turn them into the ``scale`` (NaN for an input that is not a 0-or-scale mask, as in the
-reference) and two flags. Nothing waits for the device.
+statistics (min / max nonzero pattern, any nonzero, any ``-0.0``); a one-program kernel turns
+them into the ``scale`` (NaN for an input that is not a 0-or-scale mask, as in the reference)
+and two flags. Bool masks: one launch (its program 0 writes the zero flags). Nothing waits for
+the device.
 Decode: one pass writing raw bit patterns (``scale`` or ``+0.0``), bit exact in every dtype.
 """
 
@@ -15,10 +16,12 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import NO_FMA, bits_view, cdiv, num_warps, pow2, rmax, rmin, rsum
+from ._common import bits_view, cdiv, launch, num_warps, pow2, rmax, rmin, rsum
 from ._triton import check_launchable
 
 _MAG_MASK = {torch.float32: 0x7FFFFFFF, torch.float16: 0x7FFF, torch.bfloat16: 0x7FFF}
+_INF_BITS = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+_NAN_BITS = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
 
 
 @triton.jit
@@ -26,6 +29,8 @@ def _bitpack_encode_kernel(
     x_ptr,
     bits_ptr,
     stats_ptr,
+    scale_ptr,
+    flags_ptr,
     N,
     n_bytes,
     IS_FLOAT: tl.constexpr,
@@ -54,6 +59,46 @@ def _bitpack_encode_kernel(
         tl.store(stats_ptr + pid * 4 + 1, hi)
         tl.store(stats_ptr + pid * 4 + 2, any_nz)
         tl.store(stats_ptr + pid * 4 + 3, neg_zero)
+    else:
+        if pid == 0:  # a bool mask: no scale (a dummy False) and no flags
+            tl.store(scale_ptr, 0)
+            tl.store(flags_ptr + tl.arange(0, 2), tl.full([2], 0, dtype=tl.int32))
+
+
+@triton.jit
+def _bitpack_finish_kernel(
+    stats_ptr,
+    scale_ptr,
+    flags_ptr,
+    n_prog,
+    MAG_MASK: tl.constexpr,
+    INF_BITS: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """One program: per-program statistics -> scale bits (NaN unless the input is a 0-or-scale
+    mask) and flags (more than one distinct nonzero pattern or NaN, some -0.0)."""
+    p = tl.arange(0, BLOCK_P)
+    lo = tl.full([BLOCK_P], 2147483647, dtype=tl.int32)
+    hi = tl.full([BLOCK_P], -2147483648, dtype=tl.int32)
+    any_nz = tl.full([BLOCK_P], 0, dtype=tl.int32)
+    neg_zero = tl.full([BLOCK_P], 0, dtype=tl.int32)
+    for p0 in range(0, n_prog, BLOCK_P):
+        m = p0 + p < n_prog
+        row = stats_ptr + (p0 + p) * 4
+        lo = tl.minimum(lo, tl.load(row, mask=m, other=2147483647))
+        hi = tl.maximum(hi, tl.load(row + 1, mask=m, other=-2147483648))
+        any_nz = tl.maximum(any_nz, tl.load(row + 2, mask=m, other=0))
+        neg_zero = tl.maximum(neg_zero, tl.load(row + 3, mask=m, other=0))
+    lo_all = rmin(lo, 0)
+    nonzero = rmax(any_nz, 0) > 0
+    pattern = tl.where(nonzero, lo_all, 0)
+    distinct = nonzero & ((lo_all != rmax(hi, 0)) | ((pattern & MAG_MASK) > INF_BITS))
+    neg = rmax(neg_zero, 0) > 0
+    scale = tl.where(distinct | neg, NAN_BITS, pattern)
+    tl.store(scale_ptr, scale.to(scale_ptr.dtype.element_ty))
+    tl.store(flags_ptr, distinct.to(tl.int32))
+    tl.store(flags_ptr + 1, neg.to(tl.int32))
 
 
 @triton.jit
@@ -91,32 +136,41 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n_bytes = cdiv(n, 8)
     dev = x.device
     bits = torch.empty(n_bytes, dtype=torch.uint8, device=dev)
+    scale = torch.empty((), dtype=x.dtype, device=dev)
+    flags = torch.empty(2, dtype=torch.int32, device=dev)
     is_float = x.dtype != torch.bool
     block = _block(n_bytes)
     n_prog = cdiv(n_bytes, block)
     stats = torch.empty(n_prog if is_float else 1, 4, dtype=torch.int32, device=dev)
-    _bitpack_encode_kernel[(n_prog,)](
+    launch(
+        _bitpack_encode_kernel,
+        (n_prog,),
         bits_view(x),
         bits,
         stats,
+        bits_view(scale),
+        flags,
         n,
         n_bytes,
         IS_FLOAT=is_float,
         MAG_MASK=_MAG_MASK.get(x.dtype, 0),
         BLOCK=block,
         num_warps=num_warps(8 * block),
-        **NO_FMA,
     )
-    if not is_float:
-        zero_flags = torch.zeros(2, dtype=torch.int32, device=dev)
-        return bits, torch.zeros((), dtype=torch.bool, device=dev), zero_flags
-    lo, hi = stats.amin(0)[0], stats.amax(0)[1]
-    any_nz, neg_zero = stats.amax(0)[2] > 0, stats.amax(0)[3] > 0
-    pattern = torch.where(any_nz, lo, torch.zeros_like(lo))
-    scale = pattern.to(bits_view(x).dtype).view(x.dtype).clone()
-    distinct = any_nz & ((lo != hi) | torch.isnan(scale))
-    scale = torch.where(distinct | neg_zero, torch.full_like(scale, torch.nan), scale)
-    return bits, scale, torch.stack([distinct, neg_zero]).to(torch.int32)
+    if is_float:
+        launch(
+            _bitpack_finish_kernel,
+            (1,),
+            stats,
+            bits_view(scale),
+            flags,
+            n_prog,
+            MAG_MASK=_MAG_MASK[x.dtype],
+            INF_BITS=_INF_BITS[x.dtype],
+            NAN_BITS=_NAN_BITS[x.dtype],
+            BLOCK_P=min(pow2(n_prog), 1024),
+        )
+    return bits, scale, flags
 
 
 def decode(
@@ -135,7 +189,9 @@ def decode(
     n_bytes = bits.numel()
     block = _block(n_bytes)
     scale_bits = bits_view(scale.reshape(1)) if is_float else bits
-    _bitpack_decode_kernel[(cdiv(n_bytes, block),)](
+    launch(
+        _bitpack_decode_kernel,
+        (cdiv(n_bytes, block),),
         bits,
         scale_bits,
         bits_view(out),
@@ -144,6 +200,5 @@ def decode(
         IS_FLOAT=is_float,
         BLOCK=block,
         num_warps=num_warps(8 * block),
-        **NO_FMA,
     )
     return out

@@ -19,12 +19,12 @@ import triton.language as tl
 
 from . import _common
 from ._common import (
-    NO_FMA,
     cast_out,
     cdiv,
     check_rows_input,
     flagged_scale,
     is_finite,
+    launch,
     num_warps,
     pow2,
     rmax,
@@ -69,20 +69,21 @@ def e4m3_bits_to_f32(c):
 
 @triton.jit
 def _fp8_encode_kernel(
-    x_ptr, q_ptr, scale_ptr, R, C, NB, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    x_ptr, q_ptr, scale_ptr, R, C, sxr, sxc, NB, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rmask = rows < R
     m = rmask[:, None] & (cols < C)[None, :]
-    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    xoffs = rows[:, None] * sxr + cols[None, :].to(tl.int64) * sxc
+    x = tl.load(x_ptr + xoffs, mask=m, other=0.0).to(tl.float32)
+    offs = rows[:, None] * C + cols[None, :]
     fin = is_finite(x)
     xs = tl.where(fin, x, 0.0)
     flag = rmax((~fin).to(tl.int32), 1) > 0
     scale = tl.math.div_rn(rmax(tl.abs(xs), 1), tl.where(flag, 224.0, 448.0))
     scale = flagged_scale(scale, flag)
-    soffs = rows.to(tl.int64) * NB + tl.program_id(1)
+    soffs = rows * NB + tl.program_id(1)
     tl.store(scale_ptr + soffs, with_sign(scale, flag), mask=rmask)
     zero = (scale == 0.0)[:, None]
     y = tl.math.div_rn(xs, tl.where(zero, 1.0, scale[:, None]))
@@ -104,13 +105,13 @@ def _fp8_decode_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rmask = rows < R
     m = rmask[:, None] & (cols < C)[None, :]
-    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    offs = rows[:, None] * C + cols[None, :]
     code = tl.load(q_ptr + offs, mask=m, other=0).to(tl.int32)
-    scale = tl.load(scale_ptr + rows.to(tl.int64) * NB + tl.program_id(1), mask=rmask, other=0.0)
+    scale = tl.load(scale_ptr + rows * NB + tl.program_id(1), mask=rmask, other=0.0)
     v = e4m3_bits_to_f32(code)
     y = v * tl.abs(scale)[:, None]
     flagged = sign_set(scale)[:, None]
@@ -131,17 +132,20 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, channels, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows, nb, dtype=torch.float32, device=x.device)
     block_r = _block_r(rows)
-    _fp8_encode_kernel[(cdiv(rows, block_r), nb)](
+    launch(
+        _fp8_encode_kernel,
+        (cdiv(rows, block_r), nb),
         x,
         q.view(torch.uint8),
         scale,
         rows,
         channels,
+        x.stride(0),
+        x.stride(1),
         nb,
         BLOCK_R=block_r,
         BLOCK_C=BLOCK,
         num_warps=num_warps(block_r * BLOCK),
-        **NO_FMA,
     )
     return q, scale
 
@@ -156,7 +160,9 @@ def decode(
     if out is None:
         out = torch.empty(rows, channels, dtype=dtype, device=q.device)
     block_r = _block_r(rows)
-    _fp8_decode_kernel[(cdiv(rows, block_r), nb)](
+    launch(
+        _fp8_decode_kernel,
+        (cdiv(rows, block_r), nb),
         q.view(torch.uint8),
         scale,
         _store_view(out),
@@ -167,6 +173,5 @@ def decode(
         BLOCK_R=block_r,
         BLOCK_C=BLOCK,
         num_warps=num_warps(block_r * BLOCK),
-        **NO_FMA,
     )
     return out

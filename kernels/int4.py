@@ -28,20 +28,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import (
-    NO_FMA,
-    cdiv,
-    flagged_scale,
-    is_finite,
-    num_warps,
-    pack_nibbles,
-    pow2,
-    quantize_robust,
-    rmax,
-    rmin,
-    rsum,
-    with_sign,
-)
+from ._common import cdiv, launch, num_warps, pow2, rsum, with_sign
 from .int4_quant import (
     SCALE_CHANNEL,
     SCALE_ROW,
@@ -50,6 +37,7 @@ from .int4_quant import (
     launch_colpartial,
     launch_quant,
 )
+from .int4_tiles import _load_seg_tile, _quant_pack_store, _seg_params, _tile_stats, _zero_unused
 
 __all__ = [
     "SCALE_CHANNEL",
@@ -66,112 +54,20 @@ __all__ = [
 
 
 @triton.jit
-def _load_seg_tile(
-    x_ptr,
-    rows,
-    rmask,
-    cols,
-    cmask,
-    C,
-    slot_ptr,
-    values_ptr,
-    n_out,
-    HAS_OUT: tl.constexpr,
-    WRITE_VALUES: tl.constexpr,
-):
-    """float32 tile of x; outlier channels (``slot >= 0``) copied to ``values`` and zeroed.
-
-    Also returns ``|x|`` before zeroing, 0 for non-finite elements (the column statistics see
-    every channel, finite values only).
-    """
-    m = rmask[:, None] & cmask[None, :]
-    raw = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
-    x = raw.to(tl.float32)
-    absx = tl.where(is_finite(x), tl.abs(x), 0.0)
-    if HAS_OUT:
-        slot = tl.load(slot_ptr + cols, mask=cmask, other=-1)
-        is_out = (slot >= 0)[None, :]
-        if WRITE_VALUES:
-            voffs = rows[:, None].to(tl.int64) * n_out + slot[None, :]
-            tl.store(values_ptr + voffs, raw, mask=m & is_out)
-        x = tl.where(is_out, 0.0, x)
-    return x, absx
-
-
-@triton.jit
-def _quant_pack_store(
-    x,
-    scale,
-    offset,
-    q_ptr,
-    rows,
-    rmask,
-    byte0,
-    w0,
-    SEG,
-    half_cp,
-    ASYM: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-):
-    """Quantise a [BLOCK_R, BLOCK_W] tile (segment-relative columns from ``w0``, even) and
-    store its BLOCK_W // 2 bytes per row at byte column ``byte0`` of each row. ``scale`` is the
-    magnitude; non-finite elements get marker codes."""
-    if ASYM:  # noqa: SIM108 (Triton: keep constexpr branches as statements)
-        v = x - offset[:, None]
-    else:
-        v = x
-    q = quantize_robust(v, scale[:, None], is_finite(x))
-    q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_R, BLOCK_W // 2, 2]))
-    packed = pack_nibbles(q_even, q_odd)
-    h = tl.arange(0, BLOCK_W // 2)
-    hmask = rmask[:, None] & ((w0 + 2 * h) < SEG)[None, :]
-    offs = rows[:, None].to(tl.int64) * half_cp + byte0 + h[None, :]
-    tl.store(q_ptr + offs, packed, mask=hmask)
-
-
-@triton.jit
-def _tile_stats(x, valid):
-    """Per row of a tile, over its finite valid elements: (absmax, max, min, any non-finite,
-    any finite) (the last two as int32 0 / 1)."""
-    fin = is_finite(x)
-    ok = valid & fin
-    amax = rmax(tl.where(ok, tl.abs(x), 0.0), 1)
-    mx = rmax(tl.where(ok, x, -float("inf")), 1)
-    mn = rmin(tl.where(ok, x, float("inf")), 1)
-    bad = rmax((valid & ~fin).to(tl.int32), 1)
-    anyf = rmax(ok.to(tl.int32), 1)
-    return amax, mx, mn, bad, anyf
-
-
-@triton.jit
-def _seg_params(amax, mx, mn, bad, anyf, rmask, DIVISOR: tl.constexpr, ASYM: tl.constexpr):
-    """(scale magnitude, offset, flag) of row segments from :func:`_tile_stats`."""
-    flag = bad > 0
-    if ASYM:
-        keep = rmask & (anyf > 0)
-        mx = tl.where(keep, mx, 0.0)
-        mn = tl.where(keep, mn, 0.0)
-        offset = tl.math.div_rn(mx + mn, 2.0)
-        scale = tl.math.div_rn(mx - mn, tl.where(flag, 12.0, 16.0))
-    else:
-        offset = tl.full(amax.shape, 0, dtype=tl.float32)
-        scale = tl.math.div_rn(amax, tl.where(flag, 6.0, DIVISOR))
-    return flagged_scale(scale, flag), offset, flag
-
-
-@triton.jit
 def _seg_encode_kernel(
     x_ptr,
     q_ptr,
     scale_ptr,
     offset_ptr,
     colsum_ptr,
+    counter_ptr,
     slot_ptr,
     values_ptr,
     idx_ptr,
     R,
     C,
+    sxr,
+    sxc,
     SEG,
     NSEG,
     n_out,
@@ -180,7 +76,6 @@ def _seg_encode_kernel(
     DIVISOR: tl.constexpr,
     ASYM: tl.constexpr,
     WRITE_Q: tl.constexpr,
-    WRITE_STATS: tl.constexpr,
     COLSUM: tl.constexpr,
     HAS_OUT: tl.constexpr,
     WRITE_VALUES: tl.constexpr,
@@ -188,15 +83,21 @@ def _seg_encode_kernel(
     SINGLE_CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """Grid (row blocks, segments); FIXUP: (row blocks, outlier slots), one program per segment
-    that holds outliers (the first outlier of each such segment does the work; unused slots,
-    index -1, return at once)."""
+    that holds outliers (the first outlier of each such segment does the work; a program of an
+    unused slot, index -1, zeroes that slot's values and returns). WRITE_VALUES without FIXUP:
+    the programs of segment 0 zero the values of every unused slot. COLSUM: program (0, 0) also
+    zeroes the selection's counter (:mod:`.int4_select`)."""
     pid_r = tl.program_id(0)
     if FIXUP:
         j = tl.program_id(1)
         channel = tl.load(idx_ptr + j)
         if channel < 0:  # an unused slot of the fixed-size outlier buffer
+            for it in range(row_iters):
+                rows = (pid_r.to(tl.int64) * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
+                _zero_unused(values_ptr, idx_ptr, rows, rows < R, n_out, j, 1, BLOCK_K)
             return
         seg = channel // SEG
         prev = tl.load(idx_ptr + tl.maximum(j - 1, 0)) // SEG
@@ -204,12 +105,20 @@ def _seg_encode_kernel(
             return
     else:
         seg = tl.program_id(1)
+        if WRITE_VALUES:  # noqa: SIM102 (Triton: constexpr and runtime conditions apart)
+            if seg == 0:
+                for it in range(row_iters):
+                    rows = (pid_r.to(tl.int64) * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
+                    _zero_unused(values_ptr, idx_ptr, rows, rows < R, n_out, 0, n_out, BLOCK_K)
+    if COLSUM:  # noqa: SIM102 (Triton: constexpr and runtime conditions apart)
+        if (pid_r == 0) & (seg == 0):
+            tl.store(counter_ptr, 0)
     seg_start = seg * SEG
     half_cp = (NSEG * SEG) // 2
     w = tl.arange(0, BLOCK_W)
     colacc = tl.full([BLOCK_W], 0, dtype=tl.float32)
     for it in range(row_iters):
-        rows = (pid_r * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = (pid_r.to(tl.int64) * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < R
         if SINGLE_CHUNK:
             cols = seg_start + w
@@ -220,7 +129,8 @@ def _seg_encode_kernel(
                 rmask,
                 cols,
                 cmask,
-                C,
+                sxr,
+                sxc,
                 slot_ptr,
                 values_ptr,
                 n_out,
@@ -249,7 +159,8 @@ def _seg_encode_kernel(
                     rmask,
                     cols,
                     cmask,
-                    C,
+                    sxr,
+                    sxc,
                     slot_ptr,
                     values_ptr,
                     n_out,
@@ -263,11 +174,10 @@ def _seg_encode_kernel(
                 bad = tl.maximum(bad, bad_c)
                 anyf = tl.maximum(anyf, anyf_c)
             scale, offset, flag = _seg_params(amax, mx, mn, bad, anyf, rmask, DIVISOR, ASYM)
-        if WRITE_STATS:
-            soffs = rows.to(tl.int64) * NSEG + seg
-            tl.store(scale_ptr + soffs, with_sign(scale, flag), mask=rmask)
-            if ASYM:
-                tl.store(offset_ptr + soffs, offset, mask=rmask)
+        soffs = rows * NSEG + seg
+        tl.store(scale_ptr + soffs, with_sign(scale, flag), mask=rmask)
+        if ASYM:
+            tl.store(offset_ptr + soffs, offset, mask=rmask)
         if WRITE_Q:
             if SINGLE_CHUNK:
                 _quant_pack_store(
@@ -296,7 +206,8 @@ def _seg_encode_kernel(
                         rmask,
                         cols,
                         cmask,
-                        C,
+                        sxr,
+                        sxc,
                         slot_ptr,
                         values_ptr,
                         n_out,
@@ -345,17 +256,19 @@ def launch_seg_encode(
     scale: torch.Tensor,
     offset: torch.Tensor | None = None,
     colsum_rows: int = 0,
+    counter: torch.Tensor | None = None,
     slot: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
-    write_stats: bool = True,
-    fixup_idx: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
+    fixup: bool = False,
 ) -> torch.Tensor | None:
     """Run :func:`_seg_encode_kernel` over x [R, C] in segments of ``seg`` channels.
 
     ``q`` given: quantised codes are written (needs ``seg`` even). ``colsum_rows > 0``: also
-    returns per-row-block column abs-sums [nrb, C] with about ``colsum_rows`` row blocks.
-    ``slot``: outlier channels (``slot >= 0``) are zeroed (and copied into ``values`` if given).
-    ``fixup_idx``: only the segments holding these (sorted) outlier channels are processed.
+    returns per-row-block column abs-sums [nrb, C] with about ``colsum_rows`` row blocks (and
+    zeroes ``counter``). ``slot``: outlier channels (``slot >= 0``) are zeroed; with ``values``
+    and ``idx`` (the outlier buffer) they are copied into ``values`` and its unused slots get
+    zeros. ``fixup``: only the segments holding the (sorted) channels of ``idx`` are processed.
     """
     rows, channels = x.shape
     block_r, width, nchunk = _seg_blocks(rows, seg)
@@ -370,37 +283,44 @@ def launch_seg_encode(
         colsum = torch.empty(row_blocks, channels, dtype=torch.float32, device=x.device)
     if q is not None and seg % 2:
         raise ValueError("fused packing needs an even segment (use the flat quantiser)")
+    if (values is not None or fixup) and idx is None:
+        raise ValueError("outlier values and the fix-up need the outlier buffer idx")
     dev = x.device
-    grid = (row_blocks, fixup_idx.numel() if fixup_idx is not None else nseg)
-    _seg_encode_kernel[grid](
+    n_out = values.shape[1] if values is not None else 0
+    grid = (row_blocks, idx.numel() if fixup and idx is not None else nseg)
+    launch(
+        _seg_encode_kernel,
+        grid,
         x,
         q if q is not None else _dummy(dev, torch.uint8),
         scale,
         offset if offset is not None else _dummy(dev, torch.float32),
         colsum if colsum is not None else _dummy(dev, torch.float32),
+        counter if counter is not None else _dummy(dev),
         slot if slot is not None else _dummy(dev),
         values if values is not None else _dummy(dev, x.dtype),
-        fixup_idx if fixup_idx is not None else _dummy(dev),
+        idx if idx is not None else _dummy(dev),
         rows,
         channels,
+        x.stride(0),
+        x.stride(1),
         seg,
         nseg,
-        values.shape[1] if values is not None else 0,
+        n_out,
         row_iters,
         nchunk,
         DIVISOR=float(divisor),
         ASYM=asym,
         WRITE_Q=q is not None,
-        WRITE_STATS=write_stats,
         COLSUM=colsum is not None,
         HAS_OUT=slot is not None,
         WRITE_VALUES=values is not None,
-        FIXUP=fixup_idx is not None,
+        FIXUP=fixup,
         SINGLE_CHUNK=nchunk == 1,
         BLOCK_R=block_r,
         BLOCK_W=width,
+        BLOCK_K=min(pow2(n_out), 64),
         num_warps=num_warps(block_r * width),
-        **NO_FMA,
     )
     return colsum
 
@@ -413,6 +333,7 @@ def encode_segments(
     cp: int,
     slot: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, scale [R, cp // seg], offset [R, 1] | None) of x [R, C] with statistics per segment.
 
@@ -435,6 +356,7 @@ def encode_segments(
         offset=offset,
         slot=slot,
         values=values,
+        idx=idx,
     )
     if not fused:
         mode = SCALE_SEGMENT if nseg > 1 else SCALE_ROW

@@ -12,10 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import NO_FMA, cdiv, check_rows_input, flagged_scale, pow2, sign_set, with_sign
+from ._common import cdiv, check_rows_input, flagged_scale, launch, pow2, sign_set, with_sign
 from ._triton import check_launchable
 from .int4 import SCALE_CHANNEL, launch_colpartial, launch_quant
 from .int4_decode import launch_dequant
+
+# Column maxima over about max(COLMAX_MIN_BLOCKS, COLMAX_PROGRAMS / column blocks) row blocks
+# (tests lower them to loop over rows on small inputs).
+COLMAX_MIN_BLOCKS = 16
+COLMAX_PROGRAMS = 1024
 
 
 @triton.jit
@@ -26,8 +31,10 @@ def _colmax_scale_kernel(part_ptr, scale_ptr, nrb, C, BLOCK_C: tl.constexpr):
     m = cols < C
     acc = tl.full([BLOCK_C], 0, dtype=tl.float32)
     bad = tl.full([BLOCK_C], 0, dtype=tl.int32)
-    for rb in range(nrb):
-        p = tl.load(part_ptr + rb * C + cols, mask=m, other=0.0)
+    ptrs = part_ptr + cols
+    for _ in range(nrb):
+        p = tl.load(ptrs, mask=m, other=0.0)
+        ptrs += C  # 64-bit pointer steps: no int32 row offset
         acc = tl.maximum(acc, tl.abs(p))
         bad = tl.maximum(bad, sign_set(p).to(tl.int32))
     flag = bad > 0
@@ -39,11 +46,18 @@ def channel_scale(x: torch.Tensor) -> torch.Tensor:
     """float32 [C] scales of x [R, C] (passes 1 and 2)."""
     _, channels = x.shape
     col_blocks = cdiv(channels, min(pow2(channels), 128))
-    part = launch_colpartial(x, reduce_sum=False, target_blocks=max(16, cdiv(1024, col_blocks)))
+    target = max(COLMAX_MIN_BLOCKS, cdiv(COLMAX_PROGRAMS, col_blocks))
+    part = launch_colpartial(x, reduce_sum=False, target_blocks=target)
     scale = torch.empty(channels, dtype=torch.float32, device=x.device)
     block_c = min(pow2(channels), 1024)
-    _colmax_scale_kernel[(cdiv(channels, block_c),)](
-        part, scale, part.shape[0], channels, BLOCK_C=block_c, **NO_FMA
+    launch(
+        _colmax_scale_kernel,
+        (cdiv(channels, block_c),),
+        part,
+        scale,
+        part.shape[0],
+        channels,
+        BLOCK_C=block_c,
     )
     return scale
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import NO_FMA, cast_out, cdiv, int4_unmark, num_warps, pow2, sign_set, store_view
+from ._common import cast_out, cdiv, int4_unmark, launch, num_warps, pow2, sign_set, store_view
 from .int4_quant import SCALE_SEGMENT, _dummy, _load_params
 
 
@@ -77,11 +77,11 @@ def _dequant2d_kernel(
     BLOCK_H: tl.constexpr,
 ):
     """Decode a [BLOCK_R, 2 * BLOCK_H] tile of out [R, C] (CP even, bytes [R, CP // 2])."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < R
     hm = rmask[:, None] & (h < CP // 2)[None, :]
-    byte = tl.load(q_ptr + rows[:, None].to(tl.int64) * (CP // 2) + h[None, :], mask=hm, other=0)
+    byte = tl.load(q_ptr + rows[:, None] * (CP // 2) + h[None, :], mask=hm, other=0)
     byte = byte.to(tl.int32)
     nib = tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_R, 2 * BLOCK_H])
     cols = tl.program_id(1) * (2 * BLOCK_H) + tl.arange(0, 2 * BLOCK_H)
@@ -104,7 +104,7 @@ def _dequant2d_kernel(
         HAS_OUT,
         OUT_BF16,
     )
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y, mask=m)
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], y, mask=m)
 
 
 @triton.jit
@@ -207,24 +207,26 @@ def launch_dequant(
         block_h = min(pow2(cp // 2), 512)
         block_r = max(1, min(_common.TILE // (2 * block_h), pow2(rows)))
         grid = (cdiv(rows, block_r), cdiv(cp // 2, block_h))
-        _dequant2d_kernel[grid](
+        launch(
+            _dequant2d_kernel,
+            grid,
             q,
             *common,
             **flags,
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             num_warps=num_warps(2 * block_r * block_h),
-            **NO_FMA,
         )
     else:
         block = min(pow2(rows * channels), _common.TILE)
-        _dequant_flat_kernel[(cdiv(rows * channels, block),)](
+        launch(
+            _dequant_flat_kernel,
+            (cdiv(rows * channels, block),),
             q,
             *common,
             rows * channels,
             **flags,
             BLOCK=block,
             num_warps=num_warps(block),
-            **NO_FMA,
         )
     return out

@@ -1,28 +1,28 @@
 """``int4_outlier`` kernels: outlier channels kept exact, the rest symmetric group INT4.
 
-What runs where (encode, even ``group_size`` that fits a register tile -- the usual case):
+Encode, even ``group_size`` that fits a register tile (the usual case): three launches.
 
-1. Pass 1 (Triton, one read of ``x``): every [rows, group] tile is quantised *as if there were
-   no outliers* (absmax / 7, round, pack: bytes and scales written) and, in the same pass,
+1. Pass 1 (one read of ``x``): every [rows, group] tile is quantised *as if there were no
+   outliers* (absmax / 7, round, pack: bytes and scales written) and, in the same pass,
    per-row-block column sums of the finite ``|x|`` are written (a [row blocks, C] float32
    array, 1-2 % of the input size).
-2. Selection: one Triton program reduces the column sums ``s`` (fixed order) into population
-   mean / std and ``z = (s - mean) / std``; :func:`adacc_kernels.selection.pick_outliers` (a
-   top-k in torch, shared with the reference) fills the fixed-size outlier buffer (K slots,
-   ascending, unused slots -1) and a Triton kernel builds the channel -> slot map. No host sync:
-   the payload size is fixed by K, never by the data.
-3. Fix-up (Triton): one program per (row block, slot whose group holds outliers; unused slots
-   return at once) re-reads that group, copies the outlier values out (gather, no transpose),
-   zeroes them, and rewrites that group's bytes and scales. Extra traffic: the fraction of
-   groups that hold outliers.
+2. Selection (:mod:`.int4_select`, one launch over the channels): z-scores of the column sums,
+   the outlier count, the fixed-size buffer (K slots, the K largest above the threshold,
+   ascending, unused slots -1) and the channel -> slot map. No host sync: the payload size is
+   fixed by K, never by the data.
+3. Fix-up: one program per (row block, slot whose group holds outliers) re-reads that group,
+   copies the outlier values out (gather, no transpose), zeroes them, and rewrites that group's
+   bytes and scales; the programs of unused slots write their zero values. Extra traffic: the
+   fraction of groups that hold outliers.
 
 The selection sums in a different order from ``torch.sum`` (the reference), so a channel whose
 z-score lies within float32 rounding of the threshold may be classified differently; given the
 same channels, the payload is bit-identical (:func:`encode_with_idx` takes a selection).
-Odd or very wide groups: column sums in their own pass, then the segment kernel with the
-selection (and the flat quantiser for odd groups).
+Odd or very wide groups: column sums in their own pass, then the selection, then the segment
+kernel with the selection (three launches; odd groups add the flat quantiser's pass).
 
-Decode: one pass; outlier channels read their exact values through the slot map.
+The slot map (int8 / int16 / int32, the narrowest that holds K) is part of the payload: decode is
+one pass, outlier channels reading their exact values through it.
 """
 
 from __future__ import annotations
@@ -32,43 +32,17 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import NO_FMA, cdiv, check_rows_input, group_layout, pow2, rmax, rsum
+from ._common import cdiv, check_rows_input, group_layout, launch, pow2, rmax
 from ._triton import check_launchable
 from .int4 import SCALE_ROW, SCALE_SEGMENT, encode_segments, launch_colpartial, launch_seg_encode
 from .int4_decode import launch_dequant
-from .selection import pick_outliers
+from .int4_select import launch_select, workspace
+from .selection import slot_dtype
 
-
-@triton.jit
-def _zscore_kernel(part_ptr, s_ptr, z_ptr, nrb, C, c_float, BLOCK_C: tl.constexpr):
-    """One program: s = column sums of part [nrb, C]; z = (s - mean) / std (-inf if std == 0)."""
-    offs = tl.arange(0, BLOCK_C)
-    total = tl.full([BLOCK_C], 0, dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + offs
-        m = cols < C
-        s = tl.full([BLOCK_C], 0, dtype=tl.float32)
-        for rb in range(nrb):
-            s += tl.load(part_ptr + rb * C + cols, mask=m, other=0.0)
-        tl.store(s_ptr + cols, s, mask=m)
-        total += s
-    tl.debug_barrier()
-    n = c_float  # float(C), from the host
-    mean = tl.math.div_rn(rsum(total, 0), n)
-    sq = tl.full([BLOCK_C], 0, dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + offs
-        m = cols < C
-        d = tl.where(m, tl.load(s_ptr + cols, mask=m, other=0.0) - mean, 0.0)
-        sq += d * d
-    std = tl.sqrt_rn(tl.math.div_rn(rsum(sq, 0), n))
-    ok = std > 0.0
-    safe_std = tl.where(ok, std, 1.0)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + offs
-        m = cols < C
-        z = tl.math.div_rn(tl.load(s_ptr + cols, mask=m, other=0.0) - mean, safe_std)
-        tl.store(z_ptr + cols, tl.where(ok, z, -float("inf")), mask=m)
+# Pass 1 writes column sums for about max(COLSUM_MIN_BLOCKS, COLSUM_PROGRAMS / groups) row
+# blocks (enough programs to fill a GPU; tests lower them to loop over rows on small inputs).
+COLSUM_MIN_BLOCKS = 8
+COLSUM_PROGRAMS = 1024
 
 
 @triton.jit
@@ -81,60 +55,46 @@ def _slot_kernel(idx_ptr, slot_ptr, C, n, BLOCK_C: tl.constexpr, BLOCK_N: tl.con
         ids = tl.load(idx_ptr + jj, mask=jj < n, other=-1)
         hit = cols[:, None] == ids[None, :]
         slot = tl.maximum(slot, rmax(tl.where(hit, jj[None, :], -1), 1))
-    tl.store(slot_ptr + cols, slot, mask=cols < C)
-
-
-def launch_zscores(colsum_part: torch.Tensor) -> torch.Tensor:
-    """float32 [C] channel z-scores from per-row-block column sums [nrb, C]."""
-    nrb, channels = colsum_part.shape
-    dev = colsum_part.device
-    s = torch.empty(channels, dtype=torch.float32, device=dev)
-    z = torch.empty(channels, dtype=torch.float32, device=dev)
-    _zscore_kernel[(1,)](
-        colsum_part,
-        s,
-        z,
-        nrb,
-        channels,
-        float(channels),
-        BLOCK_C=min(pow2(channels), 1024),
-        num_warps=8,
-        **NO_FMA,
-    )
-    return z
+    tl.store(slot_ptr + cols, slot.to(slot_ptr.dtype.element_ty), mask=cols < C)
 
 
 def launch_slot(idx: torch.Tensor, channels: int) -> torch.Tensor:
-    """Channel -> position in ``idx`` map (-1 for regular channels)."""
-    slot = torch.empty(channels, dtype=torch.int32, device=idx.device)
+    """Channel -> position in ``idx`` map (-1 for regular channels), in :func:`slot_dtype`."""
+    slot = torch.empty(channels, dtype=slot_dtype(idx.numel()), device=idx.device)
     block_c = min(pow2(channels), 256)
-    _slot_kernel[(cdiv(channels, block_c),)](
-        idx, slot, channels, idx.numel(), BLOCK_C=block_c, BLOCK_N=16, **NO_FMA
+    launch(
+        _slot_kernel,
+        (cdiv(channels, block_c),),
+        idx,
+        slot,
+        channels,
+        idx.numel(),
+        BLOCK_C=block_c,
+        BLOCK_N=16,
     )
     return slot
 
 
 def encode_with_idx(
     x: torch.Tensor, idx: torch.Tensor, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Payload (q, scale, values) for a given ascending int32 outlier selection ``idx``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Payload (q, scale, values, slot) for a given ascending int32 outlier selection ``idx``."""
     rows, channels = check_rows_input(x)
     check_launchable(x.device)
     group, padded = group_layout(channels, group_size)
     n = idx.numel()
-    values = x.new_zeros((rows, n))  # unused slots (index -1) stay 0
-    slot = launch_slot(idx, channels) if n else None
-    q, scale, _ = encode_segments(
-        x, group, asym=False, cp=padded, slot=slot, values=values if n else None
-    )
-    return q, scale, values
+    values = x.new_empty((rows, n))
+    slot = launch_slot(idx, channels) if n else idx.new_empty(0, dtype=torch.int8)
+    kw = {"slot": slot, "values": values, "idx": idx} if n else {}
+    q, scale, _ = encode_segments(x, group, asym=False, cp=padded, **kw)
+    return q, scale, values, slot
 
 
 def encode(
     x: torch.Tensor, group_size: int, zscore_threshold: float, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """x [R, C] -> (q, scale, outlier_values [R, capacity], outlier_idx int32 [capacity],
-    count int32 0-dim) (see module doc)."""
+    count int32 0-dim, slot map [C] (empty when capacity is 0)) (see module doc)."""
     rows, channels = check_rows_input(x)
     check_launchable(x.device)
     dev = x.device
@@ -144,35 +104,34 @@ def encode(
         q, scale, _ = encode_segments(x, group, asym=False, cp=padded)
         empty = torch.empty(0, dtype=torch.int32, device=dev)
         zero = torch.zeros((), dtype=torch.int32, device=dev)
-        return q, scale, x.new_zeros((rows, 0)), empty, zero
+        return q, scale, x.new_empty((rows, 0)), empty, zero, empty.view(torch.int8)
     fused = group % 2 == 0 and group <= _common.MAX_SEGMENT_WIDTH
-    target_blocks = max(8, cdiv(1024, nseg))
+    target_blocks = max(COLSUM_MIN_BLOCKS, cdiv(COLSUM_PROGRAMS, nseg))
+    ws, counter = workspace(channels, dev)
     if fused:
         q = torch.empty((rows * padded + 1) // 2, dtype=torch.uint8, device=dev)
         scale = torch.empty(rows, nseg, dtype=torch.float32, device=dev)
         part = launch_seg_encode(
-            x, group, nseg, asym=False, q=q, scale=scale, colsum_rows=target_blocks
+            x, group, nseg, asym=False, q=q, scale=scale, colsum_rows=target_blocks, counter=counter
         )
     else:
-        part = launch_colpartial(x, reduce_sum=True, target_blocks=target_blocks)
+        part = launch_colpartial(x, reduce_sum=True, target_blocks=target_blocks, counter=counter)
     assert part is not None
-    idx, count = pick_outliers(launch_zscores(part), zscore_threshold, capacity)
-    slot = launch_slot(idx, channels)
-    values = x.new_zeros((rows, capacity))
+    idx, count, slot = launch_select(part, ws, zscore_threshold, capacity, slot_dtype(capacity))
+    values = x.new_empty((rows, capacity))  # every slot is written by the kernels
+    kw = {"slot": slot, "values": values, "idx": idx}
     if fused:
-        launch_seg_encode(
-            x, group, nseg, asym=False, q=q, scale=scale, slot=slot, values=values, fixup_idx=idx
-        )
+        launch_seg_encode(x, group, nseg, asym=False, q=q, scale=scale, fixup=True, **kw)
     else:
-        q, scale, _ = encode_segments(x, group, asym=False, cp=padded, slot=slot, values=values)
-    return q, scale, values, idx, count
+        q, scale, _ = encode_segments(x, group, asym=False, cp=padded, **kw)
+    return q, scale, values, idx, count, slot
 
 
 def decode(
     q: torch.Tensor,
     scale: torch.Tensor,
     values: torch.Tensor,
-    idx: torch.Tensor,
+    slot: torch.Tensor,
     rows: int,
     channels: int,
     group_size: int,
@@ -182,9 +141,8 @@ def decode(
     """Inverse of :func:`encode`: [rows, channels] of ``dtype``; outliers exact."""
     check_launchable(q.device)
     group, padded = group_layout(channels, group_size)
-    n = idx.numel()
-    slot = launch_slot(idx, channels) if n else None
-    kw = {"slot": slot, "values": values if n else None, "out": out}
+    n = values.shape[1]
+    kw = {"slot": slot if n else None, "values": values if n else None, "out": out}
     if padded // group > 1:
         return launch_dequant(
             q, scale, rows, channels, dtype, mode=SCALE_SEGMENT, cp=padded, seg=group, **kw

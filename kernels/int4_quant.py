@@ -21,9 +21,9 @@ import triton.language as tl
 
 from . import _common
 from ._common import (
-    NO_FMA,
     cdiv,
     is_finite,
+    launch,
     num_warps,
     pack_nibbles,
     pow2,
@@ -40,24 +40,33 @@ SCALE_ROW, SCALE_CHANNEL, SCALE_SEGMENT = 0, 1, 2
 def _colpartial_kernel(
     x_ptr,
     part_ptr,
+    counter_ptr,
     R,
     C,
+    sxr,
+    sxc,
     row_iters,
     SUM: tl.constexpr,
+    ZERO_COUNTER: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """part[pid_r, c] = sum (SUM) or max of the finite |x[r, c]| over the program's rows; a max
-    carries "the column holds inf / NaN" in its sign bit."""
+    carries "the column holds inf / NaN" in its sign bit. ZERO_COUNTER: program (0, 0) zeroes
+    the outlier selection's counter (:mod:`.int4_select`)."""
     pid_r = tl.program_id(0)
+    if ZERO_COUNTER:  # noqa: SIM102 (Triton: constexpr and runtime conditions apart)
+        if (pid_r == 0) & (tl.program_id(1) == 0):
+            tl.store(counter_ptr, 0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
     acc = tl.full([BLOCK_C], 0, dtype=tl.float32)
     bad = tl.full([BLOCK_C], 0, dtype=tl.int32)
     for it in range(row_iters):
-        rows = (pid_r * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = (pid_r.to(tl.int64) * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
         m = (rows < R)[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
+        offs = rows[:, None] * sxr + cols[None, :].to(tl.int64) * sxc
+        x = tl.load(x_ptr + offs, mask=m, other=0.0)
         x = x.to(tl.float32)
         fin = is_finite(x)
         a = tl.where(fin, tl.abs(x), 0.0)
@@ -106,6 +115,8 @@ def _quant2d_kernel(
     offset_ptr,
     R,
     C,
+    sxr,
+    sxc,
     NSEG,
     SCALE_MODE: tl.constexpr,
     SEG: tl.constexpr,
@@ -115,12 +126,13 @@ def _quant2d_kernel(
 ):
     """Quantise + pack with given per-row / per-channel / per-segment parameters (C even);
     scales may be flagged (sign bit): their magnitude quantises, markers for non-finite x."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     rmask = rows < R
     cmask = w < C
     m = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + w[None, :], mask=m, other=0.0)
+    offs = rows[:, None] * sxr + w[None, :].to(tl.int64) * sxc
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
     x = x.to(tl.float32)
     scale, offset = _load_params(
         scale_ptr, offset_ptr, rows[:, None], w[None, :], m, NSEG, SCALE_MODE, SEG, HAS_OFFSET
@@ -130,7 +142,7 @@ def _quant2d_kernel(
     q = quantize_robust(x, tl.abs(scale), is_finite(x))
     q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_R, BLOCK_W // 2, 2]))
     h = tl.program_id(1) * (BLOCK_W // 2) + tl.arange(0, BLOCK_W // 2)
-    offs = rows[:, None].to(tl.int64) * (C // 2) + h[None, :]
+    offs = rows[:, None] * (C // 2) + h[None, :]
     tl.store(q_ptr + offs, pack_nibbles(q_even, q_odd), mask=rmask[:, None] & (2 * h < C)[None, :])
 
 
@@ -143,6 +155,8 @@ def _quant_flat_kernel(
     slot_ptr,
     R,
     C,
+    sxr,
+    sxc,
     CP,
     NSEG,
     n_codes,
@@ -162,7 +176,7 @@ def _quant_flat_kernel(
     row = e // CP
     col = e % CP
     m = inside & (col < C)
-    x = tl.load(x_ptr + row * C + col, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * sxr + col * sxc, mask=m, other=0.0).to(tl.float32)
     if HAS_OUT:
         slot = tl.load(slot_ptr + col, mask=m, other=-1)
         x = tl.where(slot >= 0, 0.0, x)
@@ -189,8 +203,11 @@ def _dummy(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tens
     return _dummy_cached(device, dtype)
 
 
-def launch_colpartial(x: torch.Tensor, *, reduce_sum: bool, target_blocks: int) -> torch.Tensor:
-    """Per-row-block column |x| sums or maxima [nrb, C] with about ``target_blocks`` blocks."""
+def launch_colpartial(
+    x: torch.Tensor, *, reduce_sum: bool, target_blocks: int, counter: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row-block column |x| sums or maxima [nrb, C] with about ``target_blocks`` blocks
+    (``counter``, if given, is zeroed on the way)."""
     rows, channels = x.shape
     block_c = min(pow2(channels), 128)
     block_r = max(1, min(_common.TILE // block_c, pow2(rows)))
@@ -199,17 +216,22 @@ def launch_colpartial(x: torch.Tensor, *, reduce_sum: bool, target_blocks: int) 
     row_blocks = cdiv(row_blocks, row_iters)
     part = torch.empty(row_blocks, channels, dtype=torch.float32, device=x.device)
     grid = (row_blocks, cdiv(channels, block_c))
-    _colpartial_kernel[grid](
+    launch(
+        _colpartial_kernel,
+        grid,
         x,
         part,
+        counter if counter is not None else _dummy(x.device),
         rows,
         channels,
+        x.stride(0),
+        x.stride(1),
         row_iters,
         SUM=reduce_sum,
+        ZERO_COUNTER=counter is not None,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         num_warps=num_warps(block_r * block_c),
-        **NO_FMA,
     )
     return part
 
@@ -233,13 +255,17 @@ def launch_quant(
         width = min(pow2(channels), 1024)
         block_r = max(1, min(_common.TILE // width, pow2(rows)))
         grid = (cdiv(rows, block_r), cdiv(channels, width))
-        _quant2d_kernel[grid](
+        launch(
+            _quant2d_kernel,
+            grid,
             x,
             q,
             scale,
             offset if offset is not None else _dummy(dev, torch.float32),
             rows,
             channels,
+            x.stride(0),
+            x.stride(1),
             nseg,
             SCALE_MODE=mode,
             SEG=seg,
@@ -247,12 +273,13 @@ def launch_quant(
             BLOCK_R=block_r,
             BLOCK_W=width,
             num_warps=num_warps(block_r * width),
-            **NO_FMA,
         )
         return
     n_bytes = q.numel()
     block = min(pow2(n_bytes), _common.TILE // 2)
-    _quant_flat_kernel[(cdiv(n_bytes, block),)](
+    launch(
+        _quant_flat_kernel,
+        (cdiv(n_bytes, block),),
         x,
         q,
         scale,
@@ -260,6 +287,8 @@ def launch_quant(
         slot if slot is not None else _dummy(dev),
         rows,
         channels,
+        x.stride(0),
+        x.stride(1),
         cp,
         nseg,
         rows * cp,
@@ -270,5 +299,4 @@ def launch_quant(
         HAS_OUT=slot is not None,
         BLOCK=block,
         num_warps=num_warps(2 * block),
-        **NO_FMA,
     )

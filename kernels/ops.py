@@ -4,9 +4,11 @@ Importing this module registers the ops; it does not import triton (each op impo
 module on first call), so it is safe before ``TRITON_INTERPRET`` is decided. The fake
 implementations give output shapes and dtypes without running anything, so ``torch.compile`` /
 ``torch.export`` can trace through a codec; every output size is fixed by the inputs
-(``int4_outlier_encode``'s outlier buffer has ``capacity`` slots), so none is data-dependent.
+(``int4_outlier_encode``'s outlier buffer has ``capacity`` slots, its slot map one entry per
+channel), so none is data-dependent.
 
-Inputs of the encode ops are contiguous [rows, channels] tensors (``bitpack_encode``: flat);
+Inputs of the encode ops are [rows, channels] tensors, read through their strides
+(``bitpack_encode``: flat, contiguous);
 decode ops take the payload plus the sizes and dtype to rebuild (``[rows, channels]``; bitpack:
 flat ``[numel]``). Outputs never alias inputs. The plain functions also take ``out=`` (decode
 into a given tensor); the ops are functional. ``DIRECT[name]`` is the undecorated function of
@@ -19,6 +21,8 @@ from typing import Any
 
 import torch
 from torch.library import custom_op
+
+from .selection import slot_dtype
 
 __all__ = [
     "bitpack_decode",
@@ -109,7 +113,7 @@ def _(q, scale, rows, channels, group_size, dtype):
 @_op(
     "int4_outlier_encode",
     "(Tensor x, int group_size, float zscore_threshold, int capacity) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def int4_outlier_encode(x, group_size, zscore_threshold, capacity):
     from . import int4_outlier
@@ -128,12 +132,13 @@ def _(x, group_size, zscore_threshold, capacity):
         x.new_empty((rows, k)),
         x.new_empty((k,), dtype=torch.int32),
         x.new_empty((), dtype=torch.int32),
+        x.new_empty((channels if k else 0,), dtype=slot_dtype(k)),
     )
 
 
 @_op(
     "int4_outlier_encode_with_idx",
-    "(Tensor x, Tensor idx, int group_size) -> (Tensor, Tensor, Tensor)",
+    "(Tensor x, Tensor idx, int group_size) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 def int4_outlier_encode_with_idx(x, idx, group_size):
     from . import int4_outlier
@@ -145,26 +150,28 @@ def int4_outlier_encode_with_idx(x, idx, group_size):
 def _(x, idx, group_size):
     rows, channels = x.shape
     group, padded = _padded(channels, group_size)
+    k = idx.shape[0]
     return (
         _u8(x, _bytes(rows * padded)),
         _f32(x, rows, padded // group),
-        x.new_empty((rows, idx.shape[0])),
+        x.new_empty((rows, k)),
+        x.new_empty((channels if k else 0,), dtype=slot_dtype(k)),
     )
 
 
 @_op(
     "int4_outlier_decode",
-    "(Tensor q, Tensor scale, Tensor values, Tensor idx, int rows, int channels, "
+    "(Tensor q, Tensor scale, Tensor values, Tensor slot, int rows, int channels, "
     "int group_size, ScalarType dtype) -> Tensor",
 )
-def int4_outlier_decode(q, scale, values, idx, rows, channels, group_size, dtype, out=None):
+def int4_outlier_decode(q, scale, values, slot, rows, channels, group_size, dtype, out=None):
     from . import int4_outlier
 
-    return int4_outlier.decode(q, scale, values, idx, rows, channels, group_size, dtype, out=out)
+    return int4_outlier.decode(q, scale, values, slot, rows, channels, group_size, dtype, out=out)
 
 
 @int4_outlier_decode.register_fake
-def _(q, scale, values, idx, rows, channels, group_size, dtype):
+def _(q, scale, values, slot, rows, channels, group_size, dtype):
     return q.new_empty((rows, channels), dtype=dtype)
 
 

@@ -500,6 +500,8 @@ def test_int4_outlier_payload_pinned():
     assert enc.meta["outlier_count"] == 1
     assert torch.equal(enc.tensors["outlier_idx"], torch.tensor([9], dtype=torch.int32))
     assert torch.equal(enc.tensors["outlier_values"], torch.tensor([[100.0]]))
+    slot = torch.tensor([-1] * 9 + [0], dtype=torch.int8)  # channel 9 in slot 0
+    assert torch.equal(enc.tensors["outlier_slot"], slot)
     # channels padded 10 -> 12: groups [1,1,1,1] [1,1,1,1] [1, 0 (outlier), pad, pad]
     assert torch.equal(enc.tensors["scale"], torch.full((1, 3), 1.0) / 7)
     expected_q = [0xFF, 0xFF, 0xFF, 0xFF, 0x8F, 0x88]  # codes 7 x9, then 0 x3
@@ -516,18 +518,40 @@ def test_int4_outlier_payload_pinned():
     ("name", "params", "shape", "dtype", "n_out", "nbytes"),
     [
         # rows 615, C 37 -> padded 64, 1 group: q 615*64/2 + scale 615*4; capacity ceil(37/32)
-        # = 2 outlier slots (values 615*2 fp16 + indices 2*4), the int32 count 4, whatever the data
-        ("int4_outlier", {}, (5, 123, 37), torch.float16, 0, 19680 + 2460 + 615 * 2 * 2 + 8 + 4),
-        ("int4_outlier", {}, (5, 123, 37), torch.float16, 2, 19680 + 2460 + 615 * 2 * 2 + 8 + 4),
+        # = 2 outlier slots (values 615*2 fp16 + indices 2*4), the int8 slot map 37, the int32
+        # count 4, whatever the data
+        (
+            "int4_outlier",
+            {},
+            (5, 123, 37),
+            torch.float16,
+            0,
+            19680 + 2460 + 615 * 2 * 2 + 8 + 37 + 4,
+        ),
+        (
+            "int4_outlier",
+            {},
+            (5, 123, 37),
+            torch.float16,
+            2,
+            19680 + 2460 + 615 * 2 * 2 + 8 + 37 + 4,
+        ),
         # rows 3, C 1000 -> padded 1024, 16 groups: 1536 + 3*16*4; capacity 32 (or 10 at 1 %)
-        ("int4_outlier", {}, (3, 1000), torch.float32, 0, 1536 + 192 + 3 * 32 * 4 + 32 * 4 + 4),
+        (
+            "int4_outlier",
+            {},
+            (3, 1000),
+            torch.float32,
+            0,
+            1536 + 192 + 3 * 32 * 4 + 32 * 4 + 1000 + 4,
+        ),
         (
             "int4_outlier",
             {"max_outlier_fraction": 0.01},
             (3, 1000),
             torch.bfloat16,
             1,
-            1536 + 192 + 3 * 10 * 2 + 10 * 4 + 4,
+            1536 + 192 + 3 * 10 * 2 + 10 * 4 + 1000 + 4,
         ),
         ("int4_channel", {}, (3, 1000), torch.float32, 0, 1500 + 1000 * 4),
         ("int4_channel", {}, (1, 1), torch.bfloat16, 0, 1 + 4),
@@ -547,7 +571,7 @@ def test_predicted_nbytes_matches_hand_formula(name, params, shape, dtype, n_out
 def test_int4_outlier_nbytes_never_depend_on_the_outlier_count(dtype):
     x = torch.randn(5, 123, 37, generator=_gen(7))
     itemsize = torch.finfo(dtype).bits // 8
-    expected = 19680 + 2460 + 615 * 2 * itemsize + 2 * 4 + 4  # ... + the int32 count
+    expected = 19680 + 2460 + 615 * 2 * itemsize + 2 * 4 + 37 + 4  # ... slot map, int32 count
     codec = get_codec("int4_outlier")
     for hot in ([], [4], [4, 30]):
         xh = x.clone()

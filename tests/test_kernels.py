@@ -26,104 +26,33 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_support import (  # first: sets up Triton's interpreter before kernels are defined
+    DEVICE,
+    FLOAT_IDS,
+    FLOATS,
+    SHAPES,
+    assert_bits_equal,
+    interpreter_env,  # noqa: F401 (autouse fixture)
+    reference,
+)
+from kernel_support import bits as _bits
+from kernel_support import gen as _gen
+from kernel_support import randn as _randn
+from kernel_support import with_outliers as _with_outliers
 
-# Without a GPU the kernels run in Triton's interpreter, which Triton picks when a kernel is
-# *defined*: set TRITON_INTERPRET=1 before importing the kernel modules (importing adacc_hf,
-# kernels or adacc_kernels.ops defines none). triton itself may already be imported (transformers
-# imports it through torch._dynamo): the kernels avoid the standard-library wrappers that would
-# then be compiled-mode objects (kernels/_common.py). The variable is removed again once the
-# kernels are defined and set only while this module's tests run, so it does not leak into
-# other test modules.
-_SET_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
-if _SET_INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401
-except ImportError:
-    if _SET_INTERPRET:
-        del os.environ["TRITON_INTERPRET"]
-    pytest.skip("triton is not installed (pip install 'adacc-hf[triton]')", allow_module_level=True)
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    reason = "no GPU, and TRITON_INTERPRET is set to something other than 1"
-    pytest.skip(reason, allow_module_level=True)
+# isort: split
+import adacc_kernels._common as kcommon
+from adacc_kernels import bitpack as kbitpack
+from adacc_kernels import fp8 as kfp8
+from adacc_kernels import int4_asym as kasym
+from adacc_kernels import int4_channel as kchannel
+from adacc_kernels import int4_naive as knaive
+from adacc_kernels import int4_outlier as koutlier
+from adacc_kernels import ops as kops
 
-import adacc_kernels._common as kcommon  # noqa: E402 (after TRITON_INTERPRET)
-from adacc_kernels import bitpack as kbitpack  # noqa: E402
-from adacc_kernels import fp8 as kfp8  # noqa: E402
-from adacc_kernels import int4_asym as kasym  # noqa: E402
-from adacc_kernels import int4_channel as kchannel  # noqa: E402
-from adacc_kernels import int4_naive as knaive  # noqa: E402
-from adacc_kernels import int4_outlier as koutlier  # noqa: E402
-from adacc_kernels import ops as kops  # noqa: E402
+from adacc_hf.codecs import Encoded, dispatch, get_codec, pack_int4
 
-from adacc_hf.codecs import Encoded, dispatch, get_codec, pack_int4  # noqa: E402
-
-if _SET_INTERPRET:
-    del os.environ["TRITON_INTERPRET"]
-if not torch.cuda.is_available() and not kcommon.INTERPRETED:
-    raise RuntimeError(
-        "kernels were defined before TRITON_INTERPRET=1 was set: some module imported a kernel "
-        "module early; run this file in a fresh process"
-    )
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch):
-    """CPU kernel launches check TRITON_INTERPRET=1 at call time."""
-    if _SET_INTERPRET:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FLOATS = [torch.float32, torch.float16, torch.bfloat16]
-FLOAT_IDS = ["fp32", "fp16", "bf16"]
-# Odd shapes: channels not a multiple of the group, odd rows*channels (bytes straddle rows),
-# one row, one channel.
-SHAPES = [(5, 37), (1, 64), (3, 100), (2, 3), (1, 1), (7, 130), (4, 256)]
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(shape, dtype, seed=0, spread=True) -> torch.Tensor:
-    """Gaussian with per-channel magnitudes from 1e-3 to 1e3 (exercises every exponent)."""
-    x = torch.randn(shape, generator=_gen(seed))
-    if spread and len(shape):
-        x = x * torch.logspace(-3, 3, shape[-1])
-    return x.to(dtype).to(DEVICE)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Same-width integer view: compare floats bit for bit (-0.0 != +0.0)."""
-    if t.dtype.is_floating_point:
-        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-    return t
-
-
-def _nan(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.float8_e4m3fn:
-        return (t.view(torch.uint8) & 0x7F) == 0x7F
-    return torch.isnan(t) if t.dtype.is_floating_point else torch.zeros_like(t, dtype=torch.bool)
-
-
-def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    """Bit for bit (-0.0 != +0.0); NaNs match NaNs whatever their payload bits (torch's own
-    conversions do not agree on those)."""
-    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
-    assert a.device == b.device, what
-    nan_a, nan_b = _nan(a), _nan(b)
-    diff = ((_bits(a) != _bits(b)) & ~(nan_a & nan_b)).sum().item()
-    assert diff == 0, f"{what}: {diff} of {a.numel()} elements differ"
-
-
-def reference(name: str, x: torch.Tensor, **params):
-    """(codec, reference payload, reference decode) on the torch path."""
-    codec = get_codec(name, **params)
-    with dispatch.kernel_mode_override("torch"):
-        enc = codec.encode(x)
-        return codec, enc, codec.decode(enc)
 
 
 # -- layer 1: launch functions vs reference ----------------------------------------------
@@ -165,27 +94,21 @@ def test_int4_channel_kernels_match_reference_bit_for_bit(dtype):
         assert_bits_equal(kchannel.decode(q, scale, *shape, dtype), ref_out, f"decode {shape}")
 
 
-def _with_outliers(shape, dtype, seed=0, hot=(1, 4)) -> torch.Tensor:
-    x = torch.randn(shape, generator=_gen(seed))
-    if shape[-1] > max(hot):
-        x[..., list(hot)] *= 50.0
-    return x.to(dtype).to(DEVICE)
-
-
 def _koutlier_encode(x, group_size, threshold, fraction=1 / 32):
     codec = get_codec("int4_outlier", group_size=group_size, max_outlier_fraction=fraction)
     return koutlier.encode(x, group_size, threshold, codec.capacity(x.shape[-1]))
 
 
 def _assert_outlier_payload(x, group_size, enc_tuple):
-    q, scale, values, idx, count = enc_tuple
+    q, scale, values, idx, count, slot = enc_tuple
     _, ref, ref_out = reference("int4_outlier", x, group_size=group_size)
     assert_bits_equal(count, ref.meta["outlier_count"], "count")
     assert_bits_equal(idx, ref.tensors["outlier_idx"], f"outlier_idx {tuple(x.shape)}")
+    assert_bits_equal(slot, ref.tensors["outlier_slot"], "outlier_slot")
     assert_bits_equal(values, ref.tensors["outlier_values"], "outlier_values")
     assert_bits_equal(q, ref.tensors["q"], "q")
     assert_bits_equal(scale, ref.tensors["scale"], "scale")
-    out = koutlier.decode(q, scale, values, idx, *x.shape, group_size, x.dtype)
+    out = koutlier.decode(q, scale, values, slot, *x.shape, group_size, x.dtype)
     assert_bits_equal(out, ref_out, "decode")
 
 
@@ -223,8 +146,13 @@ def test_int4_outlier_with_a_given_selection_matches_reference_bit_for_bit(dtype
     _, ref, _ = reference("int4_outlier", x, group_size=16)
     idx = ref.tensors["outlier_idx"]
     assert idx.tolist() == [0, 40, 76]  # capacity ceil(77 / 32) = 3: every slot used
-    q, scale, values = kops.int4_outlier_encode_with_idx(x, idx, 16)
-    for got, key in ((q, "q"), (scale, "scale"), (values, "outlier_values")):
+    q, scale, values, slot = kops.int4_outlier_encode_with_idx(x, idx, 16)
+    for got, key in (
+        (q, "q"),
+        (scale, "scale"),
+        (values, "outlier_values"),
+        (slot, "outlier_slot"),
+    ):
         assert_bits_equal(got, ref.tensors[key], key)
 
 
@@ -405,7 +333,7 @@ def _op_cases():
     q4, s4 = knaive.encode(x, 32)
     qc, sc = kchannel.encode(x)
     qa, sa, oa = kasym.encode(x)
-    qo, so, vo, io, _ = koutlier.encode(_with_outliers((6, 70), torch.bfloat16), 32, 3.0, 3)
+    qo, so, vo, io, _, slo = koutlier.encode(_with_outliers((6, 70), torch.bfloat16), 32, 3.0, 3)
     q8, s8 = kfp8.encode(x)
     bits, bscale, _ = kbitpack.encode(fmask)
     return [
@@ -417,7 +345,7 @@ def _op_cases():
         ("int4_asym_decode", (qa, sa, oa, 6, 70, torch.bfloat16)),
         ("int4_outlier_encode", (x, 32, 3.0, 3)),
         ("int4_outlier_encode_with_idx", (x, io, 32)),
-        ("int4_outlier_decode", (qo, so, vo, io, 6, 70, 32, torch.bfloat16)),
+        ("int4_outlier_decode", (qo, so, vo, slo, 6, 70, 32, torch.bfloat16)),
         ("fp8_e4m3_encode", (x,)),
         ("fp8_e4m3_decode", (q8, s8, torch.bfloat16)),
         ("bitpack_encode", (mask,)),
@@ -555,11 +483,31 @@ def test_kernel_round_trip_snr_is_above_floor(name, dtype):
     assert snr >= SNR_FLOOR_DB[name]
 
 
-def test_kernel_mode_comes_from_override_then_env_then_auto(monkeypatch):
-    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+@pytest.fixture
+def kernel_env(monkeypatch):
+    """``kernel_env(value)`` sets (None: removes) $ADACC_KERNELS mid-test and refreshes the
+    resolved mode, as a process changing it mid-run must; restored and refreshed after."""
+
+    def set_env(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(dispatch.ENV_VAR, value)
+        dispatch.refresh_kernel_mode()
+
+    yield set_env
+    monkeypatch.undo()
+    dispatch.refresh_kernel_mode()
+
+
+def test_kernel_mode_comes_from_override_then_env_then_auto(kernel_env, monkeypatch):
+    kernel_env(None)
     assert dispatch.kernel_mode() == "auto"
-    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
+    kernel_env("torch")
     assert dispatch.kernel_mode() == "torch"
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")  # read once: a change needs a refresh
+    assert dispatch.kernel_mode() == "torch"
+    kernel_env("torch")
     with dispatch.kernel_mode_override("triton"):
         assert dispatch.kernel_mode() == "triton"
         with dispatch.kernel_mode_override("auto"):
@@ -574,10 +522,10 @@ def test_kernel_mode_comes_from_override_then_env_then_auto(monkeypatch):
     assert dispatch.kernel_mode() == "torch"
 
 
-def test_unknown_kernel_mode_is_rejected_naming_the_choices(monkeypatch):
+def test_unknown_kernel_mode_is_rejected_naming_the_choices(kernel_env):
     with pytest.raises(dispatch.KernelError, match="auto, triton, torch"):
         dispatch.set_kernel_mode("cuda")
-    monkeypatch.setenv(dispatch.ENV_VAR, "fast")
+    kernel_env("fast")
     with pytest.raises(dispatch.KernelError, match="ADACC_KERNELS"):
         dispatch.kernel_mode()
 

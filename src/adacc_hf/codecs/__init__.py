@@ -22,7 +22,13 @@ from .base import (
     payload_finite,
     relative_error,
 )
-from .dispatch import KernelError, kernel_mode, kernel_mode_override, set_kernel_mode
+from .dispatch import (
+    KernelError,
+    kernel_mode,
+    kernel_mode_override,
+    refresh_kernel_mode,
+    set_kernel_mode,
+)
 from .int4 import (
     pack_int4,
     unpack_int4,
@@ -41,6 +47,7 @@ __all__ = [
     "kernel_mode_override",
     "pack_int4",
     "payload_finite",
+    "refresh_kernel_mode",
     "relative_error",
     "set_kernel_mode",
     "unpack_int4",

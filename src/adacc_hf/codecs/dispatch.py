@@ -6,7 +6,9 @@ otherwise the codec's torch reference runs. Both produce the same payload layout
 where documented in ``kernels``), so payloads decode on either path.
 
 Mode (:func:`kernel_mode`): :func:`set_kernel_mode` / :func:`kernel_mode_override` if set, else the
-``ADACC_KERNELS`` environment variable, else ``"auto"``:
+``ADACC_KERNELS`` environment variable (read once; :func:`refresh_kernel_mode` re-reads it after
+a change mid-process), else ``"auto"``. The decision per device is cached until the mode changes,
+so a codec call reads no environment and imports nothing:
 
 * ``"auto"``: kernels for CUDA tensors (compute capability >= 8.0) when triton imports; the
   reference otherwise.
@@ -17,10 +19,8 @@ Mode (:func:`kernel_mode`): :func:`set_kernel_mode` / :func:`kernel_mode_overrid
 
 What runs where on the kernel path: quantisation, packing, statistics (absmax / min-max /
 column sums), the ``int4_outlier`` channel selection (z-scores of the column sums), outlier
-gather and scatter, bit packing and FP8 conversion run in Triton. Still in torch: allocating
-outputs, the few-element reductions that turn a float dropout mask's per-program statistics
-into its scale, and the top-k that fills ``int4_outlier``'s fixed-size outlier buffer from the
-kernel's z-scores. Nothing waits for the device: payload sizes never depend on the data. Inputs
+gather and scatter, bit packing and FP8 conversion run in Triton; torch only allocates
+outputs. Nothing waits for the device: payload sizes never depend on the data. Inputs
 arrive in memory order (``base.memory_order``), so reshaping to [rows, channels] never copies.
 The one result that can differ from the reference: the selection sums columns in another order
 than ``torch.sum``, so a channel within float32 rounding of the z-score threshold may be
@@ -58,6 +58,7 @@ __all__ = [
     "kernel_mode",
     "kernel_mode_override",
     "kernels_available",
+    "refresh_kernel_mode",
     "set_kernel_mode",
     "use_kernel",
 ]
@@ -65,6 +66,10 @@ __all__ = [
 ENV_VAR = "ADACC_KERNELS"
 MODES = ("auto", "triton", "torch")
 _override: str | None = None
+# Resolved once and kept until the mode changes (set_kernel_mode, kernel_mode_override,
+# refresh_kernel_mode): the hot path reads no environment and imports nothing per call.
+_env_mode: str | None = None
+_decisions: dict[torch.device, bool] = {}
 
 
 class KernelError(AdaccError):
@@ -78,17 +83,30 @@ def _check_mode(mode: str, where: str) -> str:
 
 
 def kernel_mode() -> str:
-    """The active mode: the programmatic override, else ``$ADACC_KERNELS``, else ``"auto"``."""
+    """The active mode: the programmatic override, else ``$ADACC_KERNELS`` (read on first use
+    and after :func:`refresh_kernel_mode`), else ``"auto"``."""
+    global _env_mode
     if _override is not None:
         return _override
-    env = os.environ.get(ENV_VAR, "").strip().lower()
-    return _check_mode(env, f"${ENV_VAR}") if env else "auto"
+    if _env_mode is None:
+        env = os.environ.get(ENV_VAR, "").strip().lower()
+        _env_mode = _check_mode(env, f"${ENV_VAR}") if env else "auto"
+    return _env_mode
+
+
+def refresh_kernel_mode() -> None:
+    """Forget the resolved mode: the next call reads ``$ADACC_KERNELS`` (and Triton's own
+    ``TRITON_INTERPRET``) again. Needed only after changing those variables mid-process."""
+    global _env_mode
+    _env_mode = None
+    _decisions.clear()
 
 
 def set_kernel_mode(mode: str | None) -> None:
     """Force ``"auto"``, ``"triton"`` or ``"torch"`` for this process; ``None`` clears it."""
     global _override
     _override = None if mode is None else _check_mode(mode, "set_kernel_mode")
+    _decisions.clear()
 
 
 @contextlib.contextmanager
@@ -101,10 +119,12 @@ def kernel_mode_override(mode: str | None) -> Iterator[None]:
         yield
     finally:
         _override = previous
+        _decisions.clear()
 
 
+@functools.cache
 def kernels_available() -> bool:
-    """Whether the ``kernels`` package and triton import (never initialises CUDA)."""
+    """Whether the ``kernels`` package and triton import (checked once; never initialises CUDA)."""
     try:
         from adacc_kernels._triton import triton_available
     except ImportError:
@@ -120,12 +140,10 @@ def _supported_gpu(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
-def use_kernel(x: torch.Tensor | torch.device) -> bool:
-    """Whether to run the Triton kernel for a tensor (or payload) on this device."""
-    mode = kernel_mode()
+def _decide(mode: str, device: torch.device) -> bool:
+    """Whether ``mode`` runs kernels on ``device`` (raises when "triton" cannot)."""
     if mode == "torch":
         return False
-    device = x if isinstance(x, torch.device) else x.device
     if mode == "auto":
         return device.type == "cuda" and kernels_available() and _supported_gpu(device)
     try:
@@ -141,17 +159,35 @@ def use_kernel(x: torch.Tensor | torch.device) -> bool:
     return True
 
 
+def use_kernel(x: torch.Tensor | torch.device) -> bool:
+    """Whether to run the Triton kernel for a tensor (or payload) on this device (decided once
+    per device until the mode changes)."""
+    device = x if isinstance(x, torch.device) else x.device
+    use = _decisions.get(device)
+    if use is None:
+        use = _decisions[device] = _decide(kernel_mode(), device)
+    return use
+
+
 # -- codec glue: payloads <-> custom ops ---------------------------------------------------
+
+
+@functools.cache
+def _direct() -> dict[str, Callable[..., Any]]:
+    """The plain launch functions by op name (importing ``adacc_kernels.ops`` once registers
+    ``torch.ops.adacc.*``)."""
+    from adacc_kernels import ops
+
+    return ops.DIRECT
 
 
 def _call(op: str, like: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """Run kernel op ``op``: through ``torch.ops.adacc`` when tracing / compiling (or for tensor
     subclasses such as fake tensors), else the plain launch function (no dispatcher overhead;
     only it takes ``out=``, the op's result is copied into ``out`` instead)."""
-    from adacc_kernels import ops  # registers torch.ops.adacc.* on first import
-
+    direct = _direct()
     if type(like) is torch.Tensor and not torch.compiler.is_compiling():
-        return ops.DIRECT[op](*args, **kwargs)
+        return direct[op](*args, **kwargs)
     res = getattr(torch.ops.adacc, op)(*args)
     out = kwargs.get("out")
     return res if out is None else out.copy_(res.reshape(out.shape))
@@ -187,15 +223,21 @@ def _enc_int4_outlier(codec: Any, x: torch.Tensor) -> tuple[dict, dict]:
     xr = _rows(x)
     capacity = codec.capacity(xr.shape[1])
     args = (xr, codec.group_size, codec.zscore_threshold, capacity)
-    q, scale, values, idx, count = _call("int4_outlier_encode", x, *args)
-    tensors = {"q": q, "scale": scale, "outlier_values": values, "outlier_idx": idx}
+    q, scale, values, idx, count, slot = _call("int4_outlier_encode", x, *args)
+    tensors = {
+        "q": q,
+        "scale": scale,
+        "outlier_values": values,
+        "outlier_idx": idx,
+        "outlier_slot": slot,
+    }
     return tensors, {"outlier_count": count}
 
 
 def _dec_int4_outlier(codec: Any, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
     t = enc.tensors
     rows, channels = _rows_channels(enc.stored_shape)
-    args = (t["q"], t["scale"], t["outlier_values"], t["outlier_idx"], rows, channels)
+    args = (t["q"], t["scale"], t["outlier_values"], t["outlier_slot"], rows, channels)
     return _call("int4_outlier_decode", t["q"], *args, codec.group_size, enc.dtype, out=_out2d(out))
 
 

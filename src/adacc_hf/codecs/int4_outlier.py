@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from adacc_kernels.selection import outlier_capacity, pick_outliers
+from adacc_kernels.selection import outlier_capacity, pick_outliers, slot_dtype
 
 from .base import (
     Codec,
@@ -39,11 +39,12 @@ def channel_zscores(x: torch.Tensor) -> torch.Tensor:
 
 
 def channel_slots(idx: torch.Tensor, channels: int) -> torch.Tensor:
-    """int64 [C]: the slot of each outlier channel in ``idx``, -1 for regular channels."""
+    """[C] in ``slot_dtype(idx.numel())``: the slot of each outlier channel in ``idx``, -1 for
+    regular channels."""
     slots = torch.full((channels + 1,), -1, dtype=torch.int64, device=idx.device)
     target = torch.where(idx >= 0, idx.long(), channels)
     slots.scatter_(0, target, torch.arange(idx.numel(), device=idx.device))
-    return slots[:channels]
+    return slots[:channels].to(slot_dtype(idx.numel()))  # a storage of exactly C entries
 
 
 def _scatter_plan(
@@ -81,11 +82,14 @@ class Int4OutlierCodec(Codec):
     The outlier buffer has a fixed capacity, ``ceil(C * max_outlier_fraction)`` channels (at
     least 1; none when C < 2), so the payload size never depends on the data and encoding never
     waits for the device. Payload: ``outlier_idx`` int32 [K] (ascending, unused slots -1 at the
-    end), ``outlier_values`` [rows, K] in the original dtype (0 in unused slots), then with
-    those channels zeroed: ``q`` packed nibbles of the [rows, Cp] codes (Cp = channels
-    zero-padded to a multiple of ``group_size``) and ``scale`` float32 [rows, Cp // group_size]
-    with ``scale = absmax / 7``. ``meta["outlier_count"]``: a 0-dim int32 device tensor, the number of
-    channels above the threshold (more than K means the K with the largest z were kept).
+    end), ``outlier_values`` [rows, K] in the original dtype (0 in unused slots),
+    ``outlier_slot`` [C] (empty when K is 0): each channel's slot, -1 for the others, in the
+    narrowest integer dtype that holds K (``slot_dtype``: int8 up to 128 slots, then int16), so
+    decoding needs no search; then, with those channels zeroed, ``q`` packed nibbles of the
+    [rows, Cp] codes (Cp = channels zero-padded to a multiple of ``group_size``) and ``scale``
+    float32 [rows, Cp // group_size] with ``scale = absmax / 7``. ``meta["outlier_count"]``: a
+    0-dim int32 device tensor, the number of channels above the threshold (more than K means
+    the K with the largest z were kept; equal z at the cut: the lower channels).
     """
 
     name = "int4_outlier"
@@ -123,14 +127,16 @@ class Int4OutlierCodec(Codec):
         idx, count = select_outlier_channels(xf, self.zscore_threshold, self.capacity(channels))
         values = x.reshape(rows, channels).index_select(1, idx.clamp(min=0).long())
         values.masked_fill_(idx < 0, 0)
+        slot = channel_slots(idx, channels if idx.numel() else 0)
         if idx.numel():
-            xf = xf.masked_fill(channel_slots(idx, channels) >= 0, 0.0)
+            xf = xf.masked_fill(slot >= 0, 0.0)
         q, scale = quantize_groups(xf, self.group_size)
         tensors = {
             "q": q,
             "scale": scale,
             "outlier_values": values.contiguous(),
             "outlier_idx": idx,
+            "outlier_slot": slot,
         }
         return tensors, {"outlier_count": count}
 
@@ -152,5 +158,12 @@ class Int4OutlierCodec(Codec):
         rows, channels = rows_channels(shape)
         k = self.capacity(channels)
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        # outlier values, their int32 channel indices, the int32 outlier count
-        return groups_nbytes(rows, channels, self.group_size) + rows * k * itemsize + k * 4 + 4
+        slot_map = channels * slot_dtype(k).itemsize if k else 0
+        # outlier values, their int32 channel indices, the slot map, the int32 outlier count
+        return (
+            groups_nbytes(rows, channels, self.group_size)
+            + rows * k * itemsize
+            + k * 4
+            + slot_map
+            + 4
+        )
