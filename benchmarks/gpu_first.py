@@ -44,13 +44,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TIME_LIMIT_S = 420  # of the 8 minutes: ~60 s for a bare machine's wheels and imports
 SECTIONS = ("env", "tests", "codecs", "peaks", "session", "throughput")
 # Each section's share of the limit (GPU), in order; a section may use what earlier ones left.
-SHARES_S = {"env": 5, "tests": 130, "codecs": 60, "peaks": 70, "session": 40, "throughput": 115}
+SHARES_S = {"env": 5, "tests": 170, "codecs": 50, "peaks": 60, "session": 35, "throughput": 100}
 TEST_FILES = [
     "tests/test_device_exact.py",
     "tests/test_runtime_exact.py",
     "tests/test_runtime_dropout.py",
     "tests/test_runtime_compress.py",
     "tests/test_kernels.py",
+    "tests/test_kernel_paths.py",  # several selection programs: the ticket hand-over on a GPU
+    "tests/test_kernel_launches.py",
 ]
 SMOKE_TESTS = ["tests/test_device_exact.py", "-k", "llama and recompute and not bf16"]
 CODECS = ["int4_outlier", "int4_channel", "int4_asym", "bitpack", "fp8_e4m3", "int4_naive"]

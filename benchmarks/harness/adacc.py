@@ -76,6 +76,25 @@ def profile_for(
     return Profiles(prof, naive, took, probes)
 
 
+def cheaper_codecs(profiles: Profiles, speedup: float) -> Profiles:
+    """`profiles` with every codec's encode and decode time divided by `speedup` (the prices of
+    a GPU, where the kernels make codecs cheap, on a CPU run: the solver then compresses)."""
+    if speedup == 1:
+        return profiles
+    out = Profiles(
+        copy.deepcopy(profiles.adacc),
+        copy.deepcopy(profiles.no_outlier),
+        profiles.profile_s,
+        profiles.probes,  # blocks and their inputs: shared, not copied
+    )
+    for prof in (out.adacc, out.no_outlier):
+        for g in prof.groups.values() if prof is not None else ():
+            for op in g.ops:
+                for cp in op.codecs.values():
+                    cp.encode_ms, cp.decode_ms = cp.encode_ms / speedup, cp.decode_ms / speedup
+    return out
+
+
 def budget_range(profile: Profile, static: int | StaticMemory = 0) -> tuple[int, int]:
     """(lo, hi): the smallest budget any policy fits in; what no checkpointing needs (step
     peaks, `adacc_hf.solver.step`)."""
