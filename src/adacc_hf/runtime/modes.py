@@ -2,8 +2,8 @@
 
 In forward, `_KeepMode` keeps the output of every op its slot table retains (as is) or compresses
 (encoded); in backward's recompute, `_ReplayMode` hands kept outputs back (decoded) instead of
-running those ops, and runs every other op again. Both count keyed ops and look each one's slot up
-by position. A forward without a table is `_BuildMode`: it names every keyed op through its region
+running those ops, and runs every other op again. Both count keyed ops (`ops.key_kind`) and look
+each one's slot up by position. A forward without a table is `_BuildMode`: it names every keyed op through its region
 and aligns it with the policy, and its slots become the block's table for that call signature.
 
 Random ops (dropout, attention with dropout) may be kept: forward notes the generator state after
@@ -21,8 +21,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .kept import Entry, keep, unpack
 from .ops import (
-    _KINDS,
-    _TO_COPY,
     KEYED,
     MUTABLE,
     OpKeyer,
@@ -30,15 +28,11 @@ from .ops import (
     device_of,
     generator_of,
     is_random,
-    keyed_now,
+    key_kind,
     mutated_args,
-    op_kind,
-    param_cast,
     tensor_outputs,
 )
 from .slots import Slot, SlotTable, build_table, make_slot, matches, observe
-
-_grad_enabled = torch.is_grad_enabled
 
 
 class _Run:
@@ -109,22 +103,16 @@ class _KeepMode(_FastMode):
             run.misaligned(f"{self.pos} keyed ops ran where the slot table has {len(self.slots)}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # The hot path: one op call, one dict lookup, then out for most ops.
+        # The hot path: one op call, the key rule (one dict lookup), then out for most ops.
         out = func._op(*args, **kwargs) if kwargs else func._op(*args)
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = op_kind(func)
+        kind = key_kind(func, args, kwargs)
         if kind == MUTABLE:
             if self.pending:
                 self._filled(func, args, kwargs)
             return out
         if self.pending:
             self._read(args)
-        if (
-            kind != KEYED
-            or not (_grad_enabled() or keyed_now(args, kwargs))
-            or (func is _TO_COPY and param_cast(func, args))
-        ):
+        if kind != KEYED:
             return out
         pos = self.pos
         self.pos = pos + 1
@@ -226,40 +214,34 @@ class _ReplayMode(_FastMode):
         self.skip: dict[int, list] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = op_kind(func)
-        if (
-            kind == KEYED
-            and self.run.store
-            and (_grad_enabled() or keyed_now(args, kwargs))
-            and not (func is _TO_COPY and param_cast(func, args))
-        ):
-            pos = self.pos
-            self.pos = pos + 1
-            e = self.run.store.pop(pos, None)
-            if e is not None:
-                if e.slot.func is func:
-                    out = unpack(self.run.rt, e, args)
-                    if e.slot.fill and e.rng:
-                        self.skip[out.data_ptr()] = list(e.rng)
-                    return out
-                # The recompute left forward's op sequence: nothing after this point can be
-                # matched safely, so everything from here on is recomputed.
-                self.run.drop()
-                self.run.rt.warn(
-                    "replay:" + e.slot.key,
-                    f"recompute ran {func} where forward kept {e.slot.key}; recomputing the rest "
-                    "of the block",
-                )
-        elif kind == MUTABLE and self.skip:
-            for t in mutated_args(func, args, kwargs):
-                fills = self.skip.get(t.data_ptr())
-                if fills is not None:
-                    state = fills.pop(0)
-                    if state is not None:
-                        state[0].set_state(state[1])
-                    if not fills:
-                        del self.skip[t.data_ptr()]
-                    return t  # the fill happened in forward: the kept tensor is its result
+        if self.run.store or self.skip:  # else nothing is left to hand back or skip
+            kind = key_kind(func, args, kwargs)
+            if kind == KEYED and self.run.store:
+                pos = self.pos
+                self.pos = pos + 1
+                e = self.run.store.pop(pos, None)
+                if e is not None:
+                    if e.slot.func is func:
+                        out = unpack(self.run.rt, e, args)
+                        if e.slot.fill and e.rng:
+                            self.skip[out.data_ptr()] = list(e.rng)
+                        return out
+                    # The recompute left forward's op sequence: nothing after this point can
+                    # be matched safely, so everything from here on is recomputed.
+                    self.run.drop()
+                    self.run.rt.warn(
+                        "replay:" + e.slot.key,
+                        f"recompute ran {func} where forward kept {e.slot.key}; recomputing "
+                        "the rest of the block",
+                    )
+            elif kind == MUTABLE and self.skip:
+                for t in mutated_args(func, args, kwargs):
+                    fills = self.skip.get(t.data_ptr())
+                    if fills is not None:
+                        state = fills.pop(0)
+                        if state is not None:
+                            state[0].set_state(state[1])
+                        if not fills:
+                            del self.skip[t.data_ptr()]
+                        return t  # the fill happened in forward: the kept tensor is its result
         return func._op(*args, **kwargs) if kwargs else func._op(*args)

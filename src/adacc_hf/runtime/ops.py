@@ -1,10 +1,11 @@
 """Naming the aten ops that run inside a block: regions (submodules), op keys and signatures.
 
-Both the trace and the runtime name ops the same way, so a policy made from a trace addresses the
-ops the runtime sees. Only ops that create new storage get a key: views, in-place ops and ops
-without tensor outputs always run (they cost nothing to recompute, or cannot be cached). Ops that
-return integers beside their tensors (CUDA flash / cuDNN attention) get keys too, and so do
-random ops (dropout, attention with dropout): the runtime replays their RNG state.
+Both the trace and the runtime name ops the same way (`key_kind` is the one rule), so a policy
+made from a trace addresses the ops the runtime sees. Only ops that create new storage get a key:
+views, in-place ops and ops without tensor outputs always run (they cost nothing to recompute, or
+cannot be cached). Ops that return integers beside their tensors (CUDA flash / cuDNN attention)
+get keys too, and so do random ops (dropout, attention with dropout): the runtime replays their
+RNG state.
 
 An op's *signature* is (op overload, output dtype, shape class); the shape class is the rank of
 each tensor output (``"4,3"`` for attention's output and log-sum-exp), which a change of batch
@@ -71,13 +72,10 @@ def op_kind(func: torch._ops.OpOverload) -> int:
 
 
 def keyed_now(args: tuple, kwargs: dict | None) -> bool:
-    """For a KEYED op: does it get a key in this call? Under ``no_grad``, an op none of whose
-    inputs requires grad gets no key and always runs: ZeRO-3's and FSDP's parameter all-gathers and
-    prefetches run there and differ between the profiled block, the forward and the recompute
-    (keys would shift). Ops inside a custom autograd Function's forward (ZeRO-3's linear) keep
-    theirs."""
-    if torch.is_grad_enabled():
-        return True
+    """Under ``no_grad``, does an op with these inputs get a key? Only if one of its inputs
+    requires grad: ZeRO-3's and FSDP's parameter all-gathers and prefetches run under
+    ``no_grad`` and differ between the profiled block, the forward and the recompute (keys would
+    shift). Ops inside a custom autograd Function's forward (ZeRO-3's linear) keep theirs."""
     leaves = tree_flatten((args, kwargs))[0]
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
@@ -96,9 +94,25 @@ def param_cast(func: torch._ops.OpOverload, args: tuple) -> bool:
     return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
 
 
-def is_keyed_now(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> bool:
-    """`is_keyed` and `keyed_now` together, parameter casts left out (`param_cast`)."""
-    return is_keyed(func) and keyed_now(args, kwargs) and not param_cast(func, args)
+_grad_enabled = torch.is_grad_enabled
+
+
+def key_kind(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> int:
+    """The one rule that decides which op calls get a key; the trace, the forward and the
+    recompute all ask it, so their keys never drift apart. MUTABLE for an in-place op; KEYED when
+    this call takes the block's next key: a keyed op (`is_keyed`) with grad enabled or an input
+    that requires grad (`keyed_now`), unless it casts a parameter (`param_cast`); else PLAIN.
+    The dispatch hot path asks it per op: one dict lookup and no allocation for most ops."""
+    kind = _KINDS.get(func)
+    if kind is None:
+        kind = op_kind(func)
+    if kind != KEYED:
+        return kind
+    if not (_grad_enabled() or keyed_now(args, kwargs)):
+        return PLAIN
+    if func is _TO_COPY and param_cast(func, args):
+        return PLAIN
+    return KEYED
 
 
 @functools.cache

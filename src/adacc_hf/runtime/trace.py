@@ -17,12 +17,13 @@ from ..codecs.bitpack import mask_scale
 from ..schema import BlockTrace, ModelTrace, OpSpec
 from .kept import side_nbytes
 from .ops import (
+    KEYED,
+    MUTABLE,
     NATIVE_DROPOUT,
     OpKeyer,
     RegionTracker,
-    is_keyed_now,
-    is_mutable,
     is_random,
+    key_kind,
     mutated_args,
     shape_class,
     storage_id,
@@ -89,13 +90,13 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        kind = key_kind(func, args, kwargs)
         if self.timer is None:
             out = func(*args, **kwargs)
             elapsed = None
         else:
             out, elapsed = self.timer(func, args, kwargs)
-        keyed = not is_mutable(func) and is_keyed_now(func, args, kwargs)
-        if is_mutable(func):
+        if kind == MUTABLE:
             filled = None
             for t in mutated_args(func, args, kwargs):
                 idx = self.produced.get(storage_id(t))
@@ -114,7 +115,7 @@ class _Recorder(TorchDispatchMode):
                 self.other_ms.append(elapsed)
             return out
         self._note_reads(args, kwargs)
-        if not keyed:
+        if kind != KEYED:
             if elapsed is not None:
                 self.other_ms.append(elapsed)
             return out
