@@ -3,13 +3,15 @@
 In forward, `_KeepMode` keeps the output of every op its slot table retains (as is) or compresses
 (encoded); in backward's recompute, `_ReplayMode` hands kept outputs back (decoded) instead of
 running those ops, and runs every other op again. Both count keyed ops (`ops.key_kind`) and look
-each one's slot up by position. A forward without a table is `_BuildMode`: it names every keyed op through its region
-and aligns it with the policy, and its slots become the block's table for that call signature.
+each one's slot up by position. A forward without a table is `_BuildMode`: it names every keyed
+op through its region, aligns it with the policy and notes which ops move the RNG, and its slots
+become the block's table for that call signature.
 
-Random ops (dropout, attention with dropout) may be kept: forward notes the generator state after
-them and replay restores it, so the ops recomputed after them draw the same numbers. A tensor that
-RNG ops fill in place before its first use (CPU dropout's noise) is kept as it is at that first
-use, and replay skips the fills. Nothing here waits for the device.
+Random ops (tagged, or moving their generator while the table was built) may be kept: forward
+notes the generator state after them and replay restores it, so the ops recomputed after them
+draw the same numbers. A tensor that in-place ops fill before its first use (CPU dropout's noise)
+is kept as it is at that first use; replay skips the fills, restoring the generator as each fill
+left it. Nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .kept import Entry, keep, unpack
 from .ops import (
+    IGNORED,
     KEYED,
     MUTABLE,
     OpKeyer,
@@ -30,6 +33,8 @@ from .ops import (
     is_random,
     key_kind,
     mutated_args,
+    rng_before,
+    rng_moved,
     tensor_outputs,
 )
 from .slots import Slot, SlotTable, build_table, make_slot, matches, observe
@@ -84,7 +89,7 @@ class _KeepMode(_FastMode):
         super().__init__()
         self.run = run
         self.pos = 0
-        # data_ptr -> (position, slot, tensor, fills) of outputs RNG ops are still filling
+        # data_ptr -> (position, slot, tensor, fills) of outputs in-place ops are still filling
         self.pending: dict[int, tuple[int, Slot, torch.Tensor, list]] = {}
         self.slots = run.table.slots if run.table is not None else None
         self.tracker = run.rt.tracker
@@ -110,7 +115,7 @@ class _KeepMode(_FastMode):
             if self.pending:
                 self._filled(func, args, kwargs)
             return out
-        if self.pending:
+        if self.pending and func not in IGNORED:
             self._read(args)
         if kind != KEYED:
             return out
@@ -133,7 +138,7 @@ class _KeepMode(_FastMode):
         if slot.random:
             gen = generator_of(func, args, kwargs, device_of(args, out))
             fills.append((gen, gen.get_state()) if gen is not None else None)
-        if slot.fill:  # kept at its first use, once the RNG ops have filled it
+        if slot.fill:  # kept at its first use, once the in-place ops have filled it
             t = tensor_outputs(out)[0]
             self.pending[t.data_ptr()] = (pos, slot, t, fills)
         else:
@@ -150,10 +155,12 @@ class _KeepMode(_FastMode):
             self.tracker.observe(self.run.rt.group, slot.key, out, e.enc[0] if e.enc else None)
 
     def _filled(self, func, args, kwargs) -> None:
+        """An in-place op wrote a kept tensor before its first use: note the generator state
+        after it (any fill may draw random numbers, tagged or not), which replay restores."""
         for t in mutated_args(func, args, kwargs):
             p = self.pending.get(t.data_ptr())
             if p is not None:
-                gen = generator_of(func, args, kwargs, t.device) if is_random(func) else None
+                gen = generator_of(func, args, kwargs, t.device)
                 p[3].append((gen, gen.get_state()) if gen is not None else None)
 
     def _read(self, args: tuple) -> None:
@@ -170,12 +177,13 @@ class _KeepMode(_FastMode):
 
 class _BuildMode(_KeepMode):
     """The forward that builds a block's slot table: names ops through their regions (hooks on
-    every submodule, string keys), this once."""
+    every submodule, string keys) and notes which keyed ops move their generator, this once."""
 
     def __init__(self, run: _Run) -> None:
         super().__init__(run)
         self.keyer: OpKeyer | None = None
         self.seen: list = []
+        self.rng: tuple[Any, Any] | None = None
 
     def __enter__(self):
         self.keyer = OpKeyer(RegionTracker(self.run.rt.block))
@@ -192,15 +200,21 @@ class _BuildMode(_KeepMode):
         rt.unknown |= table.unknown
         run.built = table
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        keyed = key_kind(func, args, kwargs) == KEYED
+        self.rng = rng_before(func, args, kwargs) if keyed else None
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
     def _build_slot(self, func, out) -> Slot:
         rt = self.run.rt
         key, _, _ = self.keyer.key(func)
-        seen = observe(func, key, tensor_outputs(out))
+        random = is_random(func) or (self.rng is not None and rng_moved(self.rng))
+        seen = observe(func, key, tensor_outputs(out), random)
         self.seen.append(seen)
         spec = rt._spec.get(key)
         if spec is None or not matches(spec, seen):
-            return Slot(func, key)
-        return make_slot(func, key, spec, rt.actions.get(key), rt.codec)
+            return Slot(func, key, random=random)
+        return make_slot(func, key, spec, rt.actions.get(key), rt.codec, random)
 
 
 class _ReplayMode(_FastMode):
@@ -243,5 +257,6 @@ class _ReplayMode(_FastMode):
                             state[0].set_state(state[1])
                         if not fills:
                             del self.skip[t.data_ptr()]
-                        return t  # the fill happened in forward: the kept tensor is its result
+                        # the fill happened in forward: the kept tensor is its result
+                        return t if func._schema.returns else None
         return func._op(*args, **kwargs) if kwargs else func._op(*args)

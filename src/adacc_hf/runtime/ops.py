@@ -5,7 +5,8 @@ made from a trace addresses the ops the runtime sees. Only ops that create new s
 views, in-place ops and ops without tensor outputs always run (they cost nothing to recompute, or
 cannot be cached). Ops that return integers beside their tensors (CUDA flash / cuDNN attention)
 get keys too, and so do random ops (dropout, attention with dropout): the runtime replays their
-RNG state.
+RNG state. An op is random when torch tags it so or when its generator moves across it
+(`rng_moved`: custom ops such as flash-attn's carry no tag).
 
 An op's *signature* is (op overload, output dtype, shape class); the shape class is the rank of
 each tensor output (``"4,3"`` for attention's output and log-sum-exp), which a change of batch
@@ -30,13 +31,16 @@ except ImportError:  # pragma: no cover - older torch
         return x.detach() if isinstance(x, torch.Tensor) else x
 
 
-# detach: checkpointing runs extra ones in recompute; the others alias their input without saying
-# so in their schema.
-_IGNORED = {
-    torch.ops.aten.detach.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.lift_fresh.default,
-}
+#: Aliases that neither make storage nor read it: never keyed, never a tensor's first use. detach:
+#: checkpointing runs extra ones in recompute, and one was seen between a fresh tensor and a custom
+#: op filling it in place; the others alias their input without saying so in their schema.
+IGNORED = frozenset(
+    {
+        torch.ops.aten.detach.default,
+        torch.ops.aten._unsafe_view.default,
+        torch.ops.aten.lift_fresh.default,
+    }
+)
 _SCALAR_RETURNS = frozenset({"IntType", "SymIntType", "FloatType", "BoolType"})
 #: The op kinds of the dispatch hot path (`op_kind`).
 PLAIN, KEYED, MUTABLE = 0, 1, 2
@@ -47,7 +51,7 @@ NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 def is_keyed(func: torch._ops.OpOverload) -> bool:
     """True when `func` creates new storage: not a view, not in-place, not ignored, at least one
     tensor output and otherwise only tensors or plain scalars (ints of flash attention)."""
-    if func in _IGNORED or func.is_view:
+    if func in IGNORED or func.is_view:
         return False
     schema = func._schema
     if schema.is_mutable:
@@ -122,6 +126,7 @@ def is_mutable(func: torch._ops.OpOverload) -> bool:
 
 @functools.cache
 def is_random(func: torch._ops.OpOverload) -> bool:
+    """Tagged random (``nondeterministic_seeded``); ops without the tag: `rng_moved`."""
     return torch.Tag.nondeterministic_seeded in func.tags
 
 
@@ -198,6 +203,34 @@ def device_of(args: tuple, out: Any) -> torch.device:
     for t in tensor_outputs(out) or tensor_outputs(args):
         return t.device
     return torch.device("cpu")
+
+
+def rng_mark(gen: torch.Generator | None) -> Any:
+    """Where `gen` stands, read on the host without waiting for the device: a philox
+    generator's (seed, offset) (CUDA), else its state's bytes (CPU: ~2 us)."""
+    if gen is None:
+        return None
+    if gen.device.type != "cpu":
+        try:
+            return gen.initial_seed(), gen.get_offset()
+        except RuntimeError:  # a generator without an offset
+            pass
+    return gen.get_state().numpy().tobytes()
+
+
+def rng_before(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> tuple[Any, Any]:
+    """(generator, mark) of the generator `func` would draw from, read before it runs."""
+    gen = generator_of(func, args, kwargs, device_of((args, kwargs), None))
+    return gen, rng_mark(gen)
+
+
+def rng_moved(before: tuple[Any, Any]) -> bool:
+    """Whether the op run since `rng_before` drew from that generator: how random ops without
+    torch's ``nondeterministic_seeded`` tag (flash-attn's and hub kernels' dropout, any custom
+    op calling ``torch.rand``) are known. Asked while tracing and building slot tables, never
+    on the hot path."""
+    gen, mark = before
+    return gen is not None and rng_mark(gen) != mark
 
 
 # -- regions and keys -----------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 
 from ..codecs import Codec
 from ..schema import ALWAYS_RETAIN, RECOMPUTE, Action, OpSpec
-from .ops import NATIVE_DROPOUT, is_random, region_of, shape_class
+from .ops import NATIVE_DROPOUT, region_of, shape_class
 
 # How a slot keeps an op's output.
 RAW, PACKED, MASK_ONLY = 0, 1, 2
@@ -74,10 +74,12 @@ class Observed:
     key: str
     dtype: str
     ranks: str
+    random: bool = False  # tagged random, or its generator moved across it
 
 
-def observe(func: Any, key: str, tensors: list[torch.Tensor]) -> Observed:
-    return Observed(func, key, str(tensors[0].dtype) if tensors else "", shape_class(tensors))
+def observe(func: Any, key: str, tensors: list[torch.Tensor], random: bool = False) -> Observed:
+    dtype = str(tensors[0].dtype) if tensors else ""
+    return Observed(func, key, dtype, shape_class(tensors), random)
 
 
 def matches(spec: OpSpec, seen: Observed) -> bool:
@@ -119,9 +121,12 @@ def misaligned_regions(specs: list[OpSpec], seen: list[Observed]) -> dict[str, s
     return bad
 
 
-def make_slot(func: Any, key: str, spec: OpSpec, action: Action | None, codec: Any) -> Slot:
-    """The slot of one op whose signature matched; ``codec(action)`` builds the action's codec."""
-    slot = Slot(func, key, random=is_random(func))
+def make_slot(
+    func: Any, key: str, spec: OpSpec, action: Action | None, codec: Any, random: bool
+) -> Slot:
+    """The slot of one op whose signature matched; ``codec(action)`` builds the action's codec;
+    `random`: the op draws from an RNG (`Observed.random`)."""
+    slot = Slot(func, key, random=random)
     slot.fill = spec.mask and not slot.random  # CPU dropout: a tensor an RNG op fills
     if action is None or action.kind == "recompute" or not spec.cacheable:
         return slot
@@ -145,10 +150,10 @@ def build_table(
     for o in seen:
         spec = by_key.get(o.key)
         if spec is None or region_of(o.key) in bad:
-            slots.append(Slot(o.func, o.key, random=is_random(o.func)))
+            slots.append(Slot(o.func, o.key, random=o.random))
             unknown.add(o.key)
             continue
-        slots.append(make_slot(o.func, o.key, spec, actions.get(o.key), codec))
+        slots.append(make_slot(o.func, o.key, spec, actions.get(o.key), codec, o.random))
     problems = [
         f"region {r or '(block)'!r}: {why}; its ops are recomputed"
         for r, why in sorted(bad.items())
