@@ -8,7 +8,8 @@ dispatch modes (`modes.py`) run beside it: forward keeps the output of every op 
 running those ops, and runs every other op again.
 
 Both modes walk the block's slot table (`slots.py`): position -> action, built once per (policy
-variant, call signature), at most `MAX_TABLES` per block. Nothing here waits for the device.
+op list, variant, call signature) and kept across policy switches (per-bucket plans), at most
+`MAX_TABLES` per block. Nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from ..codecs import Codec, get_codec
 from ..errors import AdaccError
 from ..schema import Action, GroupPolicy, Variant
 from .modes import _Run
-from .slots import SlotTable, call_signature
+from .slots import SlotTable, call_signature, spec_signature
 
 logger = logging.getLogger("adacc_hf")
-MAX_TABLES = 64  # slot tables kept per block (one per variant and call signature), oldest out
+MAX_TABLES = 64  # slot tables kept per block (op list, variant, call signature), oldest out
 _COMPILE_MSG = (
     "adacc does not run under torch.compile (its per-op runtime is a pair of Python dispatch "
     "modes that dynamo cannot trace): leave torch_compile off, or run without adacc; see "
@@ -73,15 +74,19 @@ class BlockRuntime:
         self.bitpack = get_codec("bitpack")
         self._codecs: dict[Any, Codec] = {"bitpack": self.bitpack}
         self._tables: dict[tuple, SlotTable] = {}
+        self._spec_ids: dict[tuple, int] = {}  # `spec_signature` -> a small id for table keys
+        self._skey = 0
+        self._unstable: set[tuple] = set()  # signatures whose op sequence changed in a bucket
         self.set_variant(variant, gp)
 
     def set_variant(self, variant: Variant, gp: GroupPolicy | None = None) -> None:
-        """Run another variant (tables are kept per variant: switching back costs nothing); a new
-        op list ``gp.ops`` (another trace) drops every table."""
+        """Run another variant, or another op list ``gp.ops`` (another trace: the plan of another
+        bucket). Tables are kept per op list and variant: switching back rebuilds nothing."""
         if gp is not None and list(gp.ops) != self.specs:
             self.specs = list(gp.ops)
             self._spec = {s.key: s for s in self.specs}
-            self._tables.clear()
+            sig = spec_signature(self.specs)
+            self._skey = self._spec_ids.setdefault(sig, len(self._spec_ids))
         self.actions: dict[str, Action] = dict(variant.actions)
         self._vkey = tuple(sorted((k, a) for k, a in self.actions.items() if a.kind != "recompute"))
         self.keeps_any = bool(self._vkey)
@@ -98,13 +103,19 @@ class BlockRuntime:
 
     def remove(self) -> None:
         self._tables.clear()
+        self._unstable.clear()
 
     def __call__(self, fn, *args):
         if _under_compile(self.root):
             raise AdaccError(_COMPILE_MSG)
         tracking = self.tracker is not None
-        sig = (self._vkey, call_signature(fn, args)) if self.keeps_any or tracking else None
-        table = self._tables.get(sig) if sig is not None else None
+        sig: tuple | None = None
+        table = None
+        if self.keeps_any or tracking:
+            sig = (self._skey, self._vkey, call_signature(fn, args))
+            if sig in self._unstable:  # its op sequence changes within the bucket
+                sig = (*sig, call_signature(fn, args, exact=True))
+            table = self._tables.get(sig)
         if not tracking and (not self.keeps_any or (table is not None and not table.caches)):
             # nothing to keep: exactly transformers' full checkpointing, no dispatch modes
             self.last_nbytes, self.last_bytes = 0, {}
@@ -119,6 +130,8 @@ class BlockRuntime:
             self._tables[sig] = run.built
         elif run.broken:
             self._tables.pop(sig, None)  # rebuilt (and re-aligned) on the next forward
+            if len(sig) == 3:  # the bucket's lengths run different ops: key by exact sizes
+                self._unstable.add(sig)
         # A retained output that is the block's own output costs nothing extra: the next block
         # (or the final norm) holds it anyway.
         outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))]

@@ -1,13 +1,16 @@
 """Slot tables: what the runtime does at each position of a block's forward, built once.
 
-The keyed ops of a block run in the same order on every forward with the same inputs (shapes,
-dtypes, autocast). A `SlotTable` maps each position in that order to a `Slot`: the op overload
-expected there and what to do with its output (nothing, keep it raw, keep it encoded, keep only
-its mask). The runtime builds one per (policy variant, call signature) on the first forward that
-sees it; every later forward just counts keyed ops and looks their slots up: no string
-formatting, no region hooks, no per-op allocation. A different op at a position, or a different
-op count, means the table no longer describes the block: the run keeps nothing and the table is
-rebuilt on the next forward.
+The keyed ops of a block run in the same order on every forward whose inputs have the same
+dtypes, ranks and autocast and whose sizes fall in the same buckets (`call_signature`): under
+dynamic padding, every length of a bucket. A `SlotTable` maps each position in that order to a
+`Slot`: the op overload expected there and what to do with its output (nothing, keep it raw, keep
+it encoded, keep only its mask); nothing in it depends on sizes. The runtime builds one per
+(policy op list, variant, call signature) on the first forward that sees it; every later forward
+just counts keyed ops and looks their slots up: no string formatting, no region hooks, no per-op
+allocation. A different op at a position, or a different op count, means the table does not
+describe this forward: the run keeps nothing and the table is rebuilt on the next forward; a
+signature that saw its op sequence change so (a block branching on the exact length) is keyed by
+exact sizes from then on.
 
 Building aligns what the forward ran with the policy's op list region by region (a region is a
 submodule of the block). A region whose ops differ from the policy's in number, key or signature
@@ -24,6 +27,7 @@ inputs bit for bit.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +36,7 @@ import torch
 
 from ..codecs import Codec
 from ..schema import ALWAYS_RETAIN, RECOMPUTE, Action, OpSpec
+from ..schema.buckets import bucket_edge
 from .ops import NATIVE_DROPOUT, region_of, shape_class
 
 # How a slot keeps an op's output.
@@ -189,25 +194,44 @@ def _unretained_routers(
     )
 
 
-def _sig(v: Any) -> Any:
+_edge = functools.lru_cache(maxsize=4096)(bucket_edge)
+
+
+def _sig(v: Any, exact: bool) -> Any:
     if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), v.dtype, v.device, v.requires_grad)
+        shape = tuple(v.shape) if exact else tuple(map(_edge, v.shape))
+        return (shape, v.dtype, v.device, v.requires_grad)
     if isinstance(v, (tuple, list)):
-        return tuple(_sig(x) for x in v)
+        return tuple(_sig(x, exact) for x in v)
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and not exact:
+        return ("n", _edge(v))  # a length (padding-free attention's max_length_q)
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     return type(v).__name__
 
 
-def call_signature(fn: Any, args: tuple) -> tuple:
-    """What decides a block's op sequence: shapes, dtypes and devices of its tensor arguments
-    (positional and the keywords transformers binds into ``fn``), plain values, autocast."""
-    parts: list[Any] = [_sig(a) for a in args]
+def call_signature(fn: Any, args: tuple, exact: bool = False) -> tuple:
+    """What decides a block's op sequence, the key of its slot tables: the dtypes, devices and
+    ranks of its tensor arguments (positional and the keywords transformers binds into ``fn``),
+    their sizes and the integers rounded up to their bucket (`bucket_edge`), other plain values,
+    autocast. Under dynamic padding every length of a bucket shares one table. Correctness never
+    rests on the key: a table that does not describe the ops that run is detected, and that run
+    keeps nothing. ``exact=True``: sizes and integers as they are (for a block whose op sequence
+    changes within a bucket)."""
+    parts: list[Any] = [_sig(a, exact) for a in args]
     for k, v in sorted((getattr(fn, "keywords", None) or {}).items()):
-        parts.append((k, _sig(v)))
+        parts.append((k, _sig(v, exact)))
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if first is not None:
         dev = first.device.type
         if torch.is_autocast_enabled(dev):
             parts.append(("autocast", dev, torch.get_autocast_dtype(dev)))
     return tuple(parts)
+
+
+def spec_signature(specs: list[OpSpec]) -> tuple:
+    """What of a policy's op list a slot table depends on (`matches`, `make_slot`, routers): the
+    same for the per-bucket plans of one block, whose op lists differ in shapes only."""
+    return tuple(
+        (s.key, s.aten, s.dtype, s.shape_class, s.mask, s.cacheable, s.layer_type) for s in specs
+    )
