@@ -180,14 +180,22 @@ def cache_target(mask: bool, out: Any) -> torch.Tensor:
 # -- RNG state ------------------------------------------------------------------------------
 
 
+@functools.cache
+def _generator_arg(func: torch._ops.OpOverload) -> int | None:
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "generator":
+            return i
+    return None
+
+
 def generator_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None, device: Any):
     """The generator a random op draws from: its ``generator`` argument, else the default
     generator of ``device`` (None where torch has none to offer)."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "generator":
-            g = args[i] if i < len(args) else (kwargs or {}).get("generator")
-            if isinstance(g, torch.Generator):
-                return g
+    i = _generator_arg(func)
+    if i is not None:
+        g = args[i] if i < len(args) else (kwargs or {}).get("generator")
+        if isinstance(g, torch.Generator):
+            return g
     device = torch.device(device)
     if device.type == "cpu":
         return torch.default_generator
@@ -218,9 +226,21 @@ def rng_mark(gen: torch.Generator | None) -> Any:
     return gen.get_state().numpy().tobytes()
 
 
+def _input_device(args: tuple, kwargs: dict | None) -> torch.device:
+    """The device of an op's first tensor input (top level or in a list), else the CPU."""
+    for a in (*args, *(kwargs or {}).values()):
+        for t in a if isinstance(a, (tuple, list)) else (a,):
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return _CPU
+
+
+_CPU = torch.device("cpu")
+
+
 def rng_before(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> tuple[Any, Any]:
     """(generator, mark) of the generator `func` would draw from, read before it runs."""
-    gen = generator_of(func, args, kwargs, device_of((args, kwargs), None))
+    gen = generator_of(func, args, kwargs, _input_device(args, kwargs))
     return gen, rng_mark(gen)
 
 
