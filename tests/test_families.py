@@ -32,7 +32,7 @@ from adacc_hf import (
 from adacc_hf.adapters import VERIFIED_MODEL_TYPES
 from adacc_hf.families import FAMILIES, family_batch, family_model
 from adacc_hf.integrations.trainer import AdaccCallback
-from adacc_hf.runtime.ops import OpKeyer, RegionTracker, is_keyed_now, is_mutable
+from adacc_hf.runtime.ops import KEYED, OpKeyer, RegionTracker, key_kind
 from adacc_hf.schema import ATTENTION_CORE
 from adacc_hf.solver import budget_between, predict
 
@@ -83,7 +83,7 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not is_mutable(func) and is_keyed_now(func, args, kwargs):
+        if key_kind(func, args, kwargs) == KEYED:
             first = out if isinstance(out, torch.Tensor) else out[0]
             self.ops.append((self.keyer.key(func)[0], str(func), tuple(first.shape)))
         return out

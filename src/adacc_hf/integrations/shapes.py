@@ -1,8 +1,8 @@
 """Batch shapes and their buckets: one plan per bucket, so the budget holds for every batch.
 
 With dynamic padding every batch has another length. A batch's *shape key* is its micro-batch
-size and its sequence lengths rounded up to a bucket edge (multiples of 8 up to 64, then four
-edges per doubling: 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, ...: at most 25 % apart and
+size and its sequence lengths rounded up to a bucket edge (`schema.buckets.bucket_edge`, the
+runtime's slot tables round with it too: multiples of 8 up to 64, then four edges per doubling: 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, ...: at most 25 % apart and
 every power of two an edge; one length for decoder-only and encoder models, the encoder's and the
 decoder's for encoder-decoder models), and whether its attention mask masks anything: attention
 takes another path with padding than without (other ops), so the two get separate plans. A bucket
@@ -21,11 +21,12 @@ sequence is padded by continuing its positions, so it stays one sequence.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from ..schema.buckets import bucket_edge
 
 #: Attention masks: whether one masks anything sets the attention path.
 MASK_KEYS = ("attention_mask", "decoder_attention_mask")
@@ -43,17 +44,6 @@ ShapeKey = tuple[int, ...]
 #: Padding-free varlen boundaries (TRL's collator): sequence starts and the longest sequence.
 CU_SEQ_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 MAX_LENGTH_KEYS = ("max_length_q", "max_length_k")
-
-
-def bucket_edge(length: int, max_length: int | None = None) -> int:
-    """The smallest bucket edge >= `length` (``max_length`` caps the edges)."""
-    if length <= 64:
-        edge = max(8, math.ceil(length / 8) * 8)
-    else:
-        octave = 2 ** (math.ceil(length).bit_length() - 1)  # the power of two <= length
-        step = octave // 4
-        edge = math.ceil(length / step) * step
-    return min(edge, max_length) if max_length and max_length >= length else edge
 
 
 def _lengths(batch: Mapping[str, Any], encoder_decoder: bool) -> tuple[int, int]:

@@ -3,15 +3,13 @@
 One mechanism: transformers' per-layer checkpoint hook (`GradientCheckpointingLayer`) calls
 `BlockRuntime`, which runs torch's non-reentrant checkpoint. A block whose policy keeps nothing
 runs it exactly as transformers' full checkpointing does (no dispatch modes at all). Otherwise two
-dispatch modes run beside it: in forward, `_KeepMode` keeps the output of every op the policy
-retains (as is) or compresses (encoded); in backward's recompute, `_ReplayMode` hands kept outputs
-back (decoded) instead of running those ops, and runs every other op again.
+dispatch modes (`modes.py`) run beside it: forward keeps the output of every op the policy retains
+(as is) or compresses (encoded); backward's recompute hands kept outputs back (decoded) instead of
+running those ops, and runs every other op again.
 
 Both modes walk the block's slot table (`slots.py`): position -> action, built once per (policy
-variant, call signature). Random ops (dropout, attention with dropout) may be kept: forward notes
-the generator state after them and replay restores it, so the ops recomputed after them draw the
-same numbers. A tensor that RNG ops fill in place before its first use (CPU dropout's noise) is
-kept as it is at that first use, and replay skips the fills. Nothing here waits for the device.
+op list, variant, call signature) and kept across policy switches (per-bucket plans), at most
+`MAX_TABLES` per block. Nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -22,42 +20,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from ..codecs import Codec, get_codec
 from ..errors import AdaccError
 from ..schema import Action, GroupPolicy, Variant
-from .kept import Entry, keep, unpack
-from .ops import (
-    _KINDS,
-    _TO_COPY,
-    KEYED,
-    MUTABLE,
-    OpKeyer,
-    RegionTracker,
-    device_of,
-    generator_of,
-    is_random,
-    keyed_now,
-    mutated_args,
-    op_kind,
-    param_cast,
-    tensor_outputs,
-)
-from .slots import (
-    Slot,
-    SlotTable,
-    build_table,
-    call_signature,
-    make_slot,
-    matches,
-    observe,
-)
+from .modes import _Run
+from .slots import SlotTable, call_signature, spec_signature
 
 logger = logging.getLogger("adacc_hf")
-_grad_enabled = torch.is_grad_enabled
-MAX_TABLES = 64  # slot tables kept per block (one per variant and call signature), oldest out
+MAX_TABLES = 64  # slot tables kept per block (op list, variant, call signature), oldest out
 _COMPILE_MSG = (
     "adacc does not run under torch.compile (its per-op runtime is a pair of Python dispatch "
     "modes that dynamo cannot trace): leave torch_compile off, or run without adacc; see "
@@ -102,15 +74,19 @@ class BlockRuntime:
         self.bitpack = get_codec("bitpack")
         self._codecs: dict[Any, Codec] = {"bitpack": self.bitpack}
         self._tables: dict[tuple, SlotTable] = {}
+        self._spec_ids: dict[tuple, int] = {}  # `spec_signature` -> a small id for table keys
+        self._skey = 0
+        self._unstable: set[tuple] = set()  # signatures whose op sequence changed in a bucket
         self.set_variant(variant, gp)
 
     def set_variant(self, variant: Variant, gp: GroupPolicy | None = None) -> None:
-        """Run another variant (tables are kept per variant: switching back costs nothing); a new
-        op list ``gp.ops`` (another trace) drops every table."""
+        """Run another variant, or another op list ``gp.ops`` (another trace: the plan of another
+        bucket). Tables are kept per op list and variant: switching back rebuilds nothing."""
         if gp is not None and list(gp.ops) != self.specs:
             self.specs = list(gp.ops)
             self._spec = {s.key: s for s in self.specs}
-            self._tables.clear()
+            sig = spec_signature(self.specs)
+            self._skey = self._spec_ids.setdefault(sig, len(self._spec_ids))
         self.actions: dict[str, Action] = dict(variant.actions)
         self._vkey = tuple(sorted((k, a) for k, a in self.actions.items() if a.kind != "recompute"))
         self.keeps_any = bool(self._vkey)
@@ -127,13 +103,19 @@ class BlockRuntime:
 
     def remove(self) -> None:
         self._tables.clear()
+        self._unstable.clear()
 
     def __call__(self, fn, *args):
         if _under_compile(self.root):
             raise AdaccError(_COMPILE_MSG)
         tracking = self.tracker is not None
-        sig = (self._vkey, call_signature(fn, args)) if self.keeps_any or tracking else None
-        table = self._tables.get(sig) if sig is not None else None
+        sig: tuple | None = None
+        table = None
+        if self.keeps_any or tracking:
+            sig = (self._skey, self._vkey, call_signature(fn, args))
+            if sig in self._unstable:  # its op sequence changes within the bucket
+                sig = (*sig, call_signature(fn, args, exact=True))
+            table = self._tables.get(sig)
         if not tracking and (not self.keeps_any or (table is not None and not table.caches)):
             # nothing to keep: exactly transformers' full checkpointing, no dispatch modes
             self.last_nbytes, self.last_bytes = 0, {}
@@ -148,6 +130,8 @@ class BlockRuntime:
             self._tables[sig] = run.built
         elif run.broken:
             self._tables.pop(sig, None)  # rebuilt (and re-aligned) on the next forward
+            if len(sig) == 3:  # the bucket's lengths run different ops: key by exact sizes
+                self._unstable.add(sig)
         # A retained output that is the block's own output costs nothing extra: the next block
         # (or the final norm) holds it anyway.
         outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))]
@@ -167,211 +151,3 @@ class BlockRuntime:
         if what not in self._warned:
             self._warned.add(what)
             logger.warning("adacc: block %s: %s", self.path, detail)
-
-
-class _Run:
-    """One checkpointed forward of one block: its kept outputs, by slot position."""
-
-    def __init__(self, rt: BlockRuntime, table: SlotTable | None) -> None:
-        self.rt = rt
-        self.table = table
-        self.store: dict[int, Entry] = {}
-        self.sizes: dict[int, tuple[str, int]] = {}  # position -> (key, bytes), outlives replay
-        self.nbytes = 0
-        self.built: SlotTable | None = None
-        self.broken = ""
-
-    def contexts(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
-        return _KeepMode(self), _ReplayMode(self)
-
-    def drop(self, keep=lambda e: False) -> None:
-        for pos in [p for p, e in self.store.items() if not keep(e)]:
-            self.nbytes -= self.store.pop(pos).nbytes
-            del self.sizes[pos]
-
-    def misaligned(self, detail: str) -> None:
-        """The forward left the table's op sequence: keep nothing from this run."""
-        if not self.broken:
-            self.broken = detail
-            self.drop()
-            self.rt.warn(
-                "misaligned:" + detail,
-                f"{detail}; this forward keeps nothing (recomputed), the slot table is rebuilt",
-            )
-
-
-class _FastMode(TorchDispatchMode):
-    """A dispatch mode without torch's per-op ``_disable_dynamo`` wrapper (``set_eval_frame``
-    twice per op, about half the crossing's cost). Safe here: adacc refuses torch.compile, and
-    nothing under these modes compiles."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-
-class _KeepMode(_FastMode):
-    """Forward: keep what the slot table says; build the table on its first forward."""
-
-    def __init__(self, run: _Run) -> None:
-        super().__init__()
-        self.run = run
-        self.pos = 0
-        # data_ptr -> (position, slot, tensor, fills) of outputs RNG ops are still filling
-        self.pending: dict[int, tuple[int, Slot, torch.Tensor, list]] = {}
-        self.slots = run.table.slots if run.table is not None else None
-        self.keyer: OpKeyer | None = None
-        self.seen: list = []
-        self.tracker = run.rt.tracker
-
-    def __enter__(self):
-        if self.slots is None:  # building the table: name ops through their regions, this once
-            self.keyer = OpKeyer(RegionTracker(self.run.rt.block))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        res = super().__exit__(*exc)
-        for p in list(self.pending.values()):
-            self._store(*p)
-        self.pending.clear()
-        run, rt = self.run, self.run.rt
-        if self.keyer is not None:
-            self.keyer.regions.remove()
-            table = build_table(rt.specs, self.seen, rt.actions, rt.codec)
-            kept = {s.key for s in table.slots if s.action is not None}
-            run.drop(lambda e: e.slot.key in kept)  # misaligned regions keep nothing
-            for problem in table.problems:
-                rt.warn("region:" + problem, problem)
-            rt.unknown |= table.unknown
-            run.built = table
-        elif not run.broken and self.pos != len(self.slots):
-            run.misaligned(f"{self.pos} keyed ops ran where the slot table has {len(self.slots)}")
-        return res
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # The hot path: one op call, one dict lookup, then out for most ops.
-        out = func._op(*args, **kwargs) if kwargs else func._op(*args)
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = op_kind(func)
-        if kind == MUTABLE:
-            if self.pending:
-                self._filled(func, args, kwargs)
-            return out
-        if self.pending:
-            self._read(args)
-        if (
-            kind != KEYED
-            or not (_grad_enabled() or keyed_now(args, kwargs))
-            or (func is _TO_COPY and param_cast(func, args))
-        ):
-            return out
-        pos = self.pos
-        self.pos = pos + 1
-        if self.slots is None:
-            slot = self._build_slot(func, out)
-        elif self.run.broken:
-            return out
-        elif pos >= len(self.slots) or self.slots[pos].func is not func:
-            self.run.misaligned(f"op {func} at keyed position {pos} is not the slot table's")
-            return out
-        else:
-            slot = self.slots[pos]
-        if slot.action is None:
-            if self.tracker is not None:
-                self.tracker.observe(self.run.rt.group, slot.key, out, None)
-            return out
-        fills: list = []
-        if slot.random:
-            gen = generator_of(func, args, kwargs, device_of(args, out))
-            fills.append((gen, gen.get_state()) if gen is not None else None)
-        if slot.fill:  # kept at its first use, once the RNG ops have filled it
-            t = tensor_outputs(out)[0]
-            self.pending[t.data_ptr()] = (pos, slot, t, fills)
-        else:
-            self._store(pos, slot, out, fills)
-        return out
-
-    def _store(self, pos: int, slot: Slot, out: Any, rng: list) -> None:
-        e = keep(self.run.rt, slot, out)
-        e.rng = rng
-        self.run.store[pos] = e
-        self.run.sizes[pos] = (slot.key, e.nbytes)
-        self.run.nbytes += e.nbytes
-        if self.tracker is not None:
-            self.tracker.observe(self.run.rt.group, slot.key, out, e.enc[0] if e.enc else None)
-
-    def _filled(self, func, args, kwargs) -> None:
-        for t in mutated_args(func, args, kwargs):
-            p = self.pending.get(t.data_ptr())
-            if p is not None:
-                gen = generator_of(func, args, kwargs, t.device) if is_random(func) else None
-                p[3].append((gen, gen.get_state()) if gen is not None else None)
-
-    def _read(self, args: tuple) -> None:
-        for a in args:
-            for t in a if isinstance(a, (tuple, list)) else (a,):
-                if isinstance(t, torch.Tensor):
-                    p = self.pending.pop(t.data_ptr(), None)
-                    if p is not None:
-                        self._store(*p)
-
-    def _build_slot(self, func, out) -> Slot:
-        rt = self.run.rt
-        key, _, _ = self.keyer.key(func)
-        seen = observe(func, key, tensor_outputs(out))
-        self.seen.append(seen)
-        spec = rt._spec.get(key)
-        if spec is None or not matches(spec, seen):
-            return Slot(func, key)
-        return make_slot(func, key, spec, rt.actions.get(key), rt.codec)
-
-
-class _ReplayMode(_FastMode):
-    """Recompute: hand kept outputs back instead of running their ops; skip the fills of kept
-    filled tensors, restoring the RNG as each fill left it."""
-
-    def __init__(self, run: _Run) -> None:
-        super().__init__()
-        self.run = run
-        self.pos = 0
-        self.skip: dict[int, list] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = op_kind(func)
-        if (
-            kind == KEYED
-            and self.run.store
-            and (_grad_enabled() or keyed_now(args, kwargs))
-            and not (func is _TO_COPY and param_cast(func, args))
-        ):
-            pos = self.pos
-            self.pos = pos + 1
-            e = self.run.store.pop(pos, None)
-            if e is not None:
-                if e.slot.func is func:
-                    out = unpack(self.run.rt, e, args)
-                    if e.slot.fill and e.rng:
-                        self.skip[out.data_ptr()] = list(e.rng)
-                    return out
-                # The recompute left forward's op sequence: nothing after this point can be
-                # matched safely, so everything from here on is recomputed.
-                self.run.drop()
-                self.run.rt.warn(
-                    "replay:" + e.slot.key,
-                    f"recompute ran {func} where forward kept {e.slot.key}; recomputing the rest "
-                    "of the block",
-                )
-        elif kind == MUTABLE and self.skip:
-            for t in mutated_args(func, args, kwargs):
-                fills = self.skip.get(t.data_ptr())
-                if fills is not None:
-                    state = fills.pop(0)
-                    if state is not None:
-                        state[0].set_state(state[1])
-                    if not fills:
-                        del self.skip[t.data_ptr()]
-                    return t  # the fill happened in forward: the kept tensor is its result
-        return func._op(*args, **kwargs) if kwargs else func._op(*args)

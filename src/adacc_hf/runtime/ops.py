@@ -1,10 +1,12 @@
 """Naming the aten ops that run inside a block: regions (submodules), op keys and signatures.
 
-Both the trace and the runtime name ops the same way, so a policy made from a trace addresses the
-ops the runtime sees. Only ops that create new storage get a key: views, in-place ops and ops
-without tensor outputs always run (they cost nothing to recompute, or cannot be cached). Ops that
-return integers beside their tensors (CUDA flash / cuDNN attention) get keys too, and so do
-random ops (dropout, attention with dropout): the runtime replays their RNG state.
+Both the trace and the runtime name ops the same way (`key_kind` is the one rule), so a policy
+made from a trace addresses the ops the runtime sees. Only ops that create new storage get a key:
+views, in-place ops and ops without tensor outputs always run (they cost nothing to recompute, or
+cannot be cached). Ops that return integers beside their tensors (CUDA flash / cuDNN attention)
+get keys too, and so do random ops (dropout, attention with dropout): the runtime replays their
+RNG state. An op is random when torch tags it so or when its generator moves across it
+(`rng_moved`: custom ops such as flash-attn's carry no tag).
 
 An op's *signature* is (op overload, output dtype, shape class); the shape class is the rank of
 each tensor output (``"4,3"`` for attention's output and log-sum-exp), which a change of batch
@@ -29,13 +31,16 @@ except ImportError:  # pragma: no cover - older torch
         return x.detach() if isinstance(x, torch.Tensor) else x
 
 
-# detach: checkpointing runs extra ones in recompute; the others alias their input without saying
-# so in their schema.
-_IGNORED = {
-    torch.ops.aten.detach.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.lift_fresh.default,
-}
+#: Aliases that neither make storage nor read it: never keyed, never a tensor's first use. detach:
+#: checkpointing runs extra ones in recompute, and one was seen between a fresh tensor and a custom
+#: op filling it in place; the others alias their input without saying so in their schema.
+IGNORED = frozenset(
+    {
+        torch.ops.aten.detach.default,
+        torch.ops.aten._unsafe_view.default,
+        torch.ops.aten.lift_fresh.default,
+    }
+)
 _SCALAR_RETURNS = frozenset({"IntType", "SymIntType", "FloatType", "BoolType"})
 #: The op kinds of the dispatch hot path (`op_kind`).
 PLAIN, KEYED, MUTABLE = 0, 1, 2
@@ -46,7 +51,7 @@ NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 def is_keyed(func: torch._ops.OpOverload) -> bool:
     """True when `func` creates new storage: not a view, not in-place, not ignored, at least one
     tensor output and otherwise only tensors or plain scalars (ints of flash attention)."""
-    if func in _IGNORED or func.is_view:
+    if func in IGNORED or func.is_view:
         return False
     schema = func._schema
     if schema.is_mutable:
@@ -71,13 +76,10 @@ def op_kind(func: torch._ops.OpOverload) -> int:
 
 
 def keyed_now(args: tuple, kwargs: dict | None) -> bool:
-    """For a KEYED op: does it get a key in this call? Under ``no_grad``, an op none of whose
-    inputs requires grad gets no key and always runs: ZeRO-3's and FSDP's parameter all-gathers and
-    prefetches run there and differ between the profiled block, the forward and the recompute
-    (keys would shift). Ops inside a custom autograd Function's forward (ZeRO-3's linear) keep
-    theirs."""
-    if torch.is_grad_enabled():
-        return True
+    """Under ``no_grad``, does an op with these inputs get a key? Only if one of its inputs
+    requires grad: ZeRO-3's and FSDP's parameter all-gathers and prefetches run under
+    ``no_grad`` and differ between the profiled block, the forward and the recompute (keys would
+    shift). Ops inside a custom autograd Function's forward (ZeRO-3's linear) keep theirs."""
     leaves = tree_flatten((args, kwargs))[0]
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
@@ -96,9 +98,25 @@ def param_cast(func: torch._ops.OpOverload, args: tuple) -> bool:
     return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
 
 
-def is_keyed_now(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> bool:
-    """`is_keyed` and `keyed_now` together, parameter casts left out (`param_cast`)."""
-    return is_keyed(func) and keyed_now(args, kwargs) and not param_cast(func, args)
+_grad_enabled = torch.is_grad_enabled
+
+
+def key_kind(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> int:
+    """The one rule that decides which op calls get a key; the trace, the forward and the
+    recompute all ask it, so their keys never drift apart. MUTABLE for an in-place op; KEYED when
+    this call takes the block's next key: a keyed op (`is_keyed`) with grad enabled or an input
+    that requires grad (`keyed_now`), unless it casts a parameter (`param_cast`); else PLAIN.
+    The dispatch hot path asks it per op: one dict lookup and no allocation for most ops."""
+    kind = _KINDS.get(func)
+    if kind is None:
+        kind = op_kind(func)
+    if kind != KEYED:
+        return kind
+    if not (_grad_enabled() or keyed_now(args, kwargs)):
+        return PLAIN
+    if func is _TO_COPY and param_cast(func, args):
+        return PLAIN
+    return KEYED
 
 
 @functools.cache
@@ -108,6 +126,7 @@ def is_mutable(func: torch._ops.OpOverload) -> bool:
 
 @functools.cache
 def is_random(func: torch._ops.OpOverload) -> bool:
+    """Tagged random (``nondeterministic_seeded``); ops without the tag: `rng_moved`."""
     return torch.Tag.nondeterministic_seeded in func.tags
 
 
@@ -161,14 +180,22 @@ def cache_target(mask: bool, out: Any) -> torch.Tensor:
 # -- RNG state ------------------------------------------------------------------------------
 
 
+@functools.cache
+def _generator_arg(func: torch._ops.OpOverload) -> int | None:
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "generator":
+            return i
+    return None
+
+
 def generator_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None, device: Any):
     """The generator a random op draws from: its ``generator`` argument, else the default
     generator of ``device`` (None where torch has none to offer)."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "generator":
-            g = args[i] if i < len(args) else (kwargs or {}).get("generator")
-            if isinstance(g, torch.Generator):
-                return g
+    i = _generator_arg(func)
+    if i is not None:
+        g = args[i] if i < len(args) else (kwargs or {}).get("generator")
+        if isinstance(g, torch.Generator):
+            return g
     device = torch.device(device)
     if device.type == "cpu":
         return torch.default_generator
@@ -184,6 +211,46 @@ def device_of(args: tuple, out: Any) -> torch.device:
     for t in tensor_outputs(out) or tensor_outputs(args):
         return t.device
     return torch.device("cpu")
+
+
+def rng_mark(gen: torch.Generator | None) -> Any:
+    """Where `gen` stands, read on the host without waiting for the device: a philox
+    generator's (seed, offset) (CUDA), else its state's bytes (CPU: ~2 us)."""
+    if gen is None:
+        return None
+    if gen.device.type != "cpu":
+        try:
+            return gen.initial_seed(), gen.get_offset()
+        except RuntimeError:  # a generator without an offset
+            pass
+    return gen.get_state().numpy().tobytes()
+
+
+def _input_device(args: tuple, kwargs: dict | None) -> torch.device:
+    """The device of an op's first tensor input (top level or in a list), else the CPU."""
+    for a in (*args, *(kwargs or {}).values()):
+        for t in a if isinstance(a, (tuple, list)) else (a,):
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return _CPU
+
+
+_CPU = torch.device("cpu")
+
+
+def rng_before(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> tuple[Any, Any]:
+    """(generator, mark) of the generator `func` would draw from, read before it runs."""
+    gen = generator_of(func, args, kwargs, _input_device(args, kwargs))
+    return gen, rng_mark(gen)
+
+
+def rng_moved(before: tuple[Any, Any]) -> bool:
+    """Whether the op run since `rng_before` drew from that generator: how random ops without
+    torch's ``nondeterministic_seeded`` tag (flash-attn's and hub kernels' dropout, any custom
+    op calling ``torch.rand``) are known. Asked while tracing and building slot tables, never
+    on the hot path."""
+    gen, mark = before
+    return gen is not None and rng_mark(gen) != mark
 
 
 # -- regions and keys -----------------------------------------------------------------------

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ..schema import GroupPolicy, Variant
-from .checkpoint import BlockRuntime, _KeepMode, _Run
+from .checkpoint import BlockRuntime
+from .modes import _BuildMode, _KeepMode, _Run
 from .timing import time_call
 
 __all__ = ["dispatch_overhead_ms"]
@@ -29,7 +30,7 @@ def dispatch_overhead_ms(
     time (host overhead the device hides costs nothing there)."""
     rt = BlockRuntime(block, "profile", "", gp, Variant(1, True, {}), set())
     build = _Run(rt, None)
-    with _KeepMode(build):
+    with _BuildMode(build):
         fn(*args)
     table = build.built
 

@@ -1,13 +1,16 @@
 """Slot tables: what the runtime does at each position of a block's forward, built once.
 
-The keyed ops of a block run in the same order on every forward with the same inputs (shapes,
-dtypes, autocast). A `SlotTable` maps each position in that order to a `Slot`: the op overload
-expected there and what to do with its output (nothing, keep it raw, keep it encoded, keep only
-its mask). The runtime builds one per (policy variant, call signature) on the first forward that
-sees it; every later forward just counts keyed ops and looks their slots up: no string
-formatting, no region hooks, no per-op allocation. A different op at a position, or a different
-op count, means the table no longer describes the block: the run keeps nothing and the table is
-rebuilt on the next forward.
+The keyed ops of a block run in the same order on every forward whose inputs have the same
+dtypes, ranks and autocast and whose sizes fall in the same buckets (`call_signature`): under
+dynamic padding, every length of a bucket. A `SlotTable` maps each position in that order to a
+`Slot`: the op overload expected there and what to do with its output (nothing, keep it raw, keep
+it encoded, keep only its mask); nothing in it depends on sizes. The runtime builds one per
+(policy op list, variant, call signature) on the first forward that sees it; every later forward
+just counts keyed ops and looks their slots up: no string formatting, no region hooks, no per-op
+allocation. A different op at a position, or a different op count, means the table does not
+describe this forward: the run keeps nothing and the table is rebuilt on the next forward; a
+signature that saw its op sequence change so (a block branching on the exact length) is keyed by
+exact sizes from then on.
 
 Building aligns what the forward ran with the policy's op list region by region (a region is a
 submodule of the block). A region whose ops differ from the policy's in number, key or signature
@@ -24,6 +27,7 @@ inputs bit for bit.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +36,8 @@ import torch
 
 from ..codecs import Codec
 from ..schema import ALWAYS_RETAIN, RECOMPUTE, Action, OpSpec
-from .ops import NATIVE_DROPOUT, is_random, region_of, shape_class
+from ..schema.buckets import bucket_edge
+from .ops import NATIVE_DROPOUT, region_of, shape_class
 
 # How a slot keeps an op's output.
 RAW, PACKED, MASK_ONLY = 0, 1, 2
@@ -74,10 +79,12 @@ class Observed:
     key: str
     dtype: str
     ranks: str
+    random: bool = False  # tagged random, or its generator moved across it
 
 
-def observe(func: Any, key: str, tensors: list[torch.Tensor]) -> Observed:
-    return Observed(func, key, str(tensors[0].dtype) if tensors else "", shape_class(tensors))
+def observe(func: Any, key: str, tensors: list[torch.Tensor], random: bool = False) -> Observed:
+    dtype = str(tensors[0].dtype) if tensors else ""
+    return Observed(func, key, dtype, shape_class(tensors), random)
 
 
 def matches(spec: OpSpec, seen: Observed) -> bool:
@@ -119,9 +126,12 @@ def misaligned_regions(specs: list[OpSpec], seen: list[Observed]) -> dict[str, s
     return bad
 
 
-def make_slot(func: Any, key: str, spec: OpSpec, action: Action | None, codec: Any) -> Slot:
-    """The slot of one op whose signature matched; ``codec(action)`` builds the action's codec."""
-    slot = Slot(func, key, random=is_random(func))
+def make_slot(
+    func: Any, key: str, spec: OpSpec, action: Action | None, codec: Any, random: bool
+) -> Slot:
+    """The slot of one op whose signature matched; ``codec(action)`` builds the action's codec;
+    `random`: the op draws from an RNG (`Observed.random`)."""
+    slot = Slot(func, key, random=random)
     slot.fill = spec.mask and not slot.random  # CPU dropout: a tensor an RNG op fills
     if action is None or action.kind == "recompute" or not spec.cacheable:
         return slot
@@ -145,10 +155,10 @@ def build_table(
     for o in seen:
         spec = by_key.get(o.key)
         if spec is None or region_of(o.key) in bad:
-            slots.append(Slot(o.func, o.key, random=is_random(o.func)))
+            slots.append(Slot(o.func, o.key, random=o.random))
             unknown.add(o.key)
             continue
-        slots.append(make_slot(o.func, o.key, spec, actions.get(o.key), codec))
+        slots.append(make_slot(o.func, o.key, spec, actions.get(o.key), codec, o.random))
     problems = [
         f"region {r or '(block)'!r}: {why}; its ops are recomputed"
         for r, why in sorted(bad.items())
@@ -184,25 +194,44 @@ def _unretained_routers(
     )
 
 
-def _sig(v: Any) -> Any:
+_edge = functools.lru_cache(maxsize=4096)(bucket_edge)
+
+
+def _sig(v: Any, exact: bool) -> Any:
     if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), v.dtype, v.device, v.requires_grad)
+        shape = tuple(v.shape) if exact else tuple(map(_edge, v.shape))
+        return (shape, v.dtype, v.device, v.requires_grad)
     if isinstance(v, (tuple, list)):
-        return tuple(_sig(x) for x in v)
+        return tuple(_sig(x, exact) for x in v)
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and not exact:
+        return ("n", _edge(v))  # a length (padding-free attention's max_length_q)
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     return type(v).__name__
 
 
-def call_signature(fn: Any, args: tuple) -> tuple:
-    """What decides a block's op sequence: shapes, dtypes and devices of its tensor arguments
-    (positional and the keywords transformers binds into ``fn``), plain values, autocast."""
-    parts: list[Any] = [_sig(a) for a in args]
+def call_signature(fn: Any, args: tuple, exact: bool = False) -> tuple:
+    """What decides a block's op sequence, the key of its slot tables: the dtypes, devices and
+    ranks of its tensor arguments (positional and the keywords transformers binds into ``fn``),
+    their sizes and the integers rounded up to their bucket (`bucket_edge`), other plain values,
+    autocast. Under dynamic padding every length of a bucket shares one table. Correctness never
+    rests on the key: a table that does not describe the ops that run is detected, and that run
+    keeps nothing. ``exact=True``: sizes and integers as they are (for a block whose op sequence
+    changes within a bucket)."""
+    parts: list[Any] = [_sig(a, exact) for a in args]
     for k, v in sorted((getattr(fn, "keywords", None) or {}).items()):
-        parts.append((k, _sig(v)))
+        parts.append((k, _sig(v, exact)))
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if first is not None:
         dev = first.device.type
         if torch.is_autocast_enabled(dev):
             parts.append(("autocast", dev, torch.get_autocast_dtype(dev)))
     return tuple(parts)
+
+
+def spec_signature(specs: list[OpSpec]) -> tuple:
+    """What of a policy's op list a slot table depends on (`matches`, `make_slot`, routers): the
+    same for the per-bucket plans of one block, whose op lists differ in shapes only."""
+    return tuple(
+        (s.key, s.aten, s.dtype, s.shape_class, s.mask, s.cacheable, s.layer_type) for s in specs
+    )

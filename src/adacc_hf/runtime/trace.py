@@ -17,13 +17,17 @@ from ..codecs.bitpack import mask_scale
 from ..schema import BlockTrace, ModelTrace, OpSpec
 from .kept import side_nbytes
 from .ops import (
+    IGNORED,
+    KEYED,
+    MUTABLE,
     NATIVE_DROPOUT,
     OpKeyer,
     RegionTracker,
-    is_keyed_now,
-    is_mutable,
     is_random,
+    key_kind,
     mutated_args,
+    rng_before,
+    rng_moved,
     shape_class,
     storage_id,
     tensor_outputs,
@@ -89,13 +93,15 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        kind = key_kind(func, args, kwargs)
+        rng = rng_before(func, args, kwargs) if kind in (KEYED, MUTABLE) else None
         if self.timer is None:
             out = func(*args, **kwargs)
             elapsed = None
         else:
             out, elapsed = self.timer(func, args, kwargs)
-        keyed = not is_mutable(func) and is_keyed_now(func, args, kwargs)
-        if is_mutable(func):
+        random = rng is not None and (is_random(func) or rng_moved(rng))
+        if kind == MUTABLE:
             filled = None
             for t in mutated_args(func, args, kwargs):
                 idx = self.produced.get(storage_id(t))
@@ -106,15 +112,16 @@ class _Recorder(TorchDispatchMode):
                     rec.mutated = True
                 else:
                     rec.fills += 1
-                    rec.random_fill |= is_random(func)
+                    rec.random_fill |= random
                     filled = rec
             if filled is not None and self.timer is not None:
                 filled.elapsed = _extend(filled.elapsed, elapsed)
             elif elapsed is not None:
                 self.other_ms.append(elapsed)
             return out
-        self._note_reads(args, kwargs)
-        if not keyed:
+        if func not in IGNORED:
+            self._note_reads(args, kwargs)
+        if kind != KEYED:
             if elapsed is not None:
                 self.other_ms.append(elapsed)
             return out
@@ -129,7 +136,7 @@ class _Recorder(TorchDispatchMode):
             shape=tuple(first.shape),
             dtype=str(first.dtype),
             nbytes=sum(t.numel() * t.element_size() for t in tensors),
-            random=is_random(func),
+            random=random,
             ranks=shape_class(tensors),
             native_mask=func is NATIVE_DROPOUT,
             side=side_nbytes(out),
