@@ -83,6 +83,15 @@ def _mutated(policy, fn):
             "unknown action",
         ),
         (lambda d: next(iter(d["groups"].values()))["ops"][0].pop("shape"), "corrupt"),
+        (lambda d: d.pop("adapter"), "'adapter' is missing"),
+        (lambda d: d.update(adapter=3), "'adapter' must be a str"),
+        (lambda d: d.update(adapter_version="1"), "'adapter_version' must be a int"),
+        (lambda d: d.update(adapter_version=True), "'adapter_version' must be a int"),
+        (lambda d: d.update(library_version=0.1), "'library_version' must be a str"),
+        (lambda d: d.update(head=None), "'head' must be a str"),
+        (lambda d: d.update(head="sliced"), "unknown head"),
+        (lambda d: d.update(metadata=[]), "'metadata' must be a dict"),
+        (lambda d: d.update(model_type=None), "'model_type' must be a str"),
     ],
 )
 def test_corrupt_policies_raise_clear_errors(policy, edit, message):

@@ -383,7 +383,9 @@ def test_budget_dominated_by_static_memory_says_so(llama):
     assert "8-bit" in str(e.value) and "exceeds the budget" in str(e.value)
 
 
-@pytest.mark.parametrize("bad", ["20 parsecs", "-5GiB", "0", "150%", "%", "", None, math.nan])
+@pytest.mark.parametrize(
+    "bad", ["20 parsecs", "-5GiB", "0", "150%", "%", "", None, math.nan, "1e400GB", "1e308TiB"]
+)
 def test_malformed_budgets_are_rejected(llama, bad):
     with pytest.raises(BudgetError, match="accepted forms"):
         solve_policy(llama, bad)

@@ -41,6 +41,37 @@ _KEYS = frozenset(
 )
 
 
+#: Top-level fields of a policy file: (type, required, default when absent).
+_FIELDS: dict[str, tuple[type | tuple[type, ...], bool, Any]] = {
+    "model_type": (str, True, None),
+    "adapter": (str, True, None),
+    "groups": (dict, True, None),
+    "adapter_version": (int, False, 1),
+    "library_version": (str, False, "?"),
+    "head": (str, False, "full"),
+    "metadata": (dict, False, {}),
+}
+
+
+def _check_fields(obj: dict[str, Any]) -> None:
+    """Presence and type of every top-level field (`_FIELDS`), before anything is built."""
+    for name, (kind, required, _) in _FIELDS.items():
+        if name not in obj:
+            if required:
+                raise PolicyError(f"corrupt adacc policy: the required field {name!r} is missing")
+            continue
+        value = obj[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise PolicyError(
+                f"corrupt adacc policy: field {name!r} must be a {kind.__name__}, got "
+                f"{type(value).__name__} {value!r:.60}"
+            )
+    if obj.get("head", "full") not in HEADS:
+        raise PolicyError(
+            f"corrupt adacc policy: unknown head {obj['head']!r}: one of {list(HEADS)}"
+        )
+
+
 @dataclass
 class Policy:
     """Per-op actions for every block of a model, plus where they came from (``metadata``)."""
@@ -90,6 +121,7 @@ class Policy:
         unknown = sorted(set(obj) - _KEYS)
         if unknown:
             warnings.warn(f"ignoring unknown policy keys {unknown}", stacklevel=2)
+        _check_fields(obj)
         try:
             groups = {str(k): GroupPolicy.from_json(g) for k, g in obj["groups"].items()}
             return cls(

@@ -149,6 +149,8 @@ def resolve_budget(
     if m is None or m.group(3).lower() not in {*_UNITS, "%"}:
         raise BudgetError(f"bad memory budget {budget!r}; {FORMS}")
     number = float(m.group(1) + (f"e{m.group(2)}" if m.group(2) else ""))
+    if not math.isfinite(number) or not math.isfinite(number * _UNITS.get(m.group(3).lower(), 1)):
+        raise BudgetError(f"bad memory budget {budget!r}: the number is out of range; {FORMS}")
     unit = m.group(3).lower()
     if unit == "%":
         if not 0 < number <= 100:
