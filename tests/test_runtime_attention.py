@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import grad_rel_error, step
+from conftest import step
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -76,23 +76,30 @@ def test_retained_attention_gives_bitwise_equal_gradients(backend, dropout, kept
         assert all(torch.equal(got[k], ref_grads[k]) for k in ref_grads)
 
 
-def test_the_cpu_flash_output_and_logsumexp_are_one_op_compressed_or_retained():
+def test_the_cpu_flash_output_and_logsumexp_are_one_op_retained_and_never_compressed():
+    """Retained, the fused op keeps its output and log-sum-exp together (gradients exact); asked
+    to compress it, the policy is repaired to recompute it (its backward would rebuild the
+    probabilities from an exact lse beside a lossy output: `policy.consistency`)."""
     model, batch = _llama(0.0)
     trace = trace_model(model, batch)
     op = next(o for o in trace.groups["block"].ops if "flash_attention_for_cpu" in o.key)
     assert op.layer_type == "attn_fused" and op.cacheable and op.shape_class == "4,3"
     _, ref_grads, ref_out = step(model, batch)
-    policy = uniform_policy(model, "recompute", batch)
-    _keep(policy, lambda o: o.key == op.key, Action.compress("int4_channel"))
-    with apply_adacc(model, policy) as handle:
+    retained = uniform_policy(model, "recompute", batch)
+    _keep(retained, lambda o: o.key == op.key, Action.retain())
+    with apply_adacc(model, retained) as handle:
         step(model, batch)
         _, grads, out = step(model, batch)
         rt = next(iter(handle.runtimes.values()))
-        out_bytes = torch.Size(op.shape).numel() // 2 + op.shape[-1] * 4  # int4 + channel scales
-        lse_bytes = op.nbytes - torch.Size(op.shape).numel() * 4  # log-sum-exp kept exact
-        assert rt.last_bytes[op.key] == out_bytes + lse_bytes
-    assert torch.equal(out.logits, ref_out.logits)  # forward untouched
-    assert 0 < grad_rel_error(grads, ref_grads) < 0.1
+        assert rt.last_bytes[op.key] == op.nbytes  # output and log-sum-exp
+    assert torch.equal(out.logits, ref_out.logits)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    lossy = uniform_policy(model, "recompute", batch)
+    _keep(lossy, lambda o: o.key == op.key, Action.compress("int4_channel"))
+    with pytest.warns(UserWarning, match="lossy input"), apply_adacc(model, lossy):
+        _, grads, _ = step(model, batch)
+    assert all(v.action(op.key).kind == "recompute" for v in lossy.groups["block"].variants)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
 
 
 # -- a flash-like op: ints beside its tensors, dropout drawn from the generator ----------------

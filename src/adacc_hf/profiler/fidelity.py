@@ -98,7 +98,19 @@ def block_error(
     runtimes = table_runtimes(probe.block, probe.path, probe.group, probe.ops, tables)
     with torch.random.fork_rng(devices=devices), runtimes as rts:
         ref = _grads(probe, None, autocast)
-        return [_error(_grads(probe, rts[str(i)], autocast), ref) for i in range(len(variants))]
+        return [_guarded_error(probe, rts[str(i)], autocast, ref) for i in range(len(variants))]
+
+
+def _guarded_error(probe: BlockProbe, runtime: Any, autocast: Any, ref: tuple) -> float:
+    """`_error` of one table, infinite when the block fails under it: a lossy value that feeds
+    an integer computation (T5's relative-position buckets take a float log, then an index) can
+    make its recompute index out of range. Such a choice must never be made."""
+    try:
+        return _error(_grads(probe, runtime, autocast), ref)
+    except (RuntimeError, IndexError, ValueError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        return math.inf
 
 
 def measure_grad_errors(

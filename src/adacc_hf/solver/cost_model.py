@@ -115,6 +115,8 @@ def choices_for(
             continue
         if statistic and not get_codec(name, **cp.params).lossless:
             continue  # its exact statistics beside a lossy output (`policy.consistency`)
+        if cp.grad_error is not None and not math.isfinite(cp.grad_error):
+            continue  # the block failed with it (`profiler.fidelity`): never usable
         if max_rel_error is not None and not cp.rel_error <= max_rel_error:
             continue
         cands.append(
