@@ -162,10 +162,12 @@ def pack_nibbles(q_even, q_odd):
 
 @triton.jit
 def f32_to_bf16_bits(y):
-    """float32 -> bfloat16 bit pattern (int16), round to nearest even (inf and NaN stay)."""
+    """float32 -> bfloat16 bit pattern (int16), round to nearest even; inf stays inf and every
+    NaN becomes torch's quiet NaN 0x7FC0 (rounding a NaN's bits would carry out of the payload:
+    a GPU's own NaN, 0x7FFFFFFF, became -0.0)."""
     u = y.to(tl.uint32, bitcast=True)
-    u = u + 0x7FFF + ((u >> 16) & 1)
-    return (u >> 16).to(tl.int16)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(y != y, 0x7FC0, r).to(tl.int16)
 
 
 @triton.jit

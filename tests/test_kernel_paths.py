@@ -20,6 +20,8 @@ from kernel_support import (  # first: sets up Triton's interpreter before kerne
 )
 
 # isort: split
+import triton
+import triton.language as tl
 from adacc_kernels import _common as kcommon
 from adacc_kernels import bitpack as kbitpack
 from adacc_kernels import fp8 as kfp8
@@ -149,7 +151,8 @@ def test_strided_inputs_encode_like_their_contiguous_copies(dtype):
 
 def test_every_launch_runs_under_the_device_guard_of_its_tensor(monkeypatch):
     """CPU: the guard is one shared no-op context (torch.cuda is never called); CUDA tensors
-    enter torch.cuda.device of their own device; every launch goes through it."""
+    enter torch.cuda.device of their own device; every launch goes through it (on either
+    device: under ``ADACC_TEST_DEVICE=cuda`` the tensors are CUDA ones)."""
     entered: list[torch.device] = []
 
     class RecordingDevice:
@@ -164,7 +167,8 @@ def test_every_launch_runs_under_the_device_guard_of_its_tensor(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device", RecordingDevice)
     x = with_outliers((8, 64), torch.bfloat16)
-    assert kcommon.device_guard(x) is kcommon.device_guard(x[:1])  # nothing built per call
+    if not x.is_cuda:
+        assert kcommon.device_guard(x) is kcommon.device_guard(x[:1])  # nothing built per call
     guarded: list[torch.device] = []
     real_guard = kcommon.device_guard
 
@@ -181,7 +185,9 @@ def test_every_launch_runs_under_the_device_guard_of_its_tensor(monkeypatch):
                 codec.decode(codec.encode(x if name != "bitpack" else x > 0))
             launches += len(count.launches)
     assert len(guarded) == launches > 5 and set(guarded) == {x.device}
-    assert entered == []  # CPU tensors: torch.cuda.device never called
+    # CPU tensors: torch.cuda.device never called; CUDA ones: entered once per launch
+    assert entered == ([x.device] * launches if x.is_cuda else [])
+    entered.clear()
 
     class CudaLike:  # what the guard reads of a CUDA tensor
         is_cuda = True
@@ -246,3 +252,24 @@ def test_launchers_reject_inputs_they_cannot_encode():
         )
     with pytest.raises(ValueError, match="contiguous"):
         launch_dequant(q, scale, 4, 8, torch.float32, mode=SCALE_ROW, cp=8, out=x.t())
+
+
+def test_float32_to_bfloat16_rounds_as_torch_and_keeps_every_nan_a_nan():
+    """Round to nearest even as torch does, inf stays inf, and NaNs of any payload stay NaN: a
+    GPU computes NaN as 0x7FFFFFFF, whose rounded bits used to carry into the sign (-0.0)."""
+
+    @triton.jit  # defined here: the interpreter is on while a kernel test runs
+    def to_bf16(x_ptr, out_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(out_ptr + offs, kcommon.f32_to_bf16_bits(tl.load(x_ptr + offs)))
+
+    words = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0xFF800000, 0x7F800000]
+    words += [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x00000001, 0x80000000]
+    bits32 = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+    x = torch.cat([bits32.view(torch.float32), torch.randn(116, generator=gen(0)) * 1e3])
+    x = x.to(DEVICE)
+    out = torch.empty(x.shape, dtype=torch.int16, device=DEVICE)
+    kcommon.launch(to_bf16, (1,), x, out, N=x.numel())
+    got = out.view(torch.bfloat16)
+    assert_bits_equal(got, x.to(torch.bfloat16), "f32 -> bf16")
+    assert torch.equal(torch.isnan(got), torch.isnan(x))

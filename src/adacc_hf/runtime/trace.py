@@ -312,7 +312,11 @@ def record_block(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(storage_id(t))
-        return t
+        # a detached alias, never `t` itself: a node saving its own output through a hook that
+        # returns the same tensor object makes a cycle through C++ (tensor -> grad_fn -> saved
+        # variable -> tensor) that no collector frees; the traced forward is aborted before any
+        # backward, so every block traced leaked its activations (a bucket's worth on a GPU)
+        return t.detach()
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
