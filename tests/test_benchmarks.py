@@ -35,6 +35,7 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.mark.slow  # 26 s: the whole throughput suite on tiny models
 def test_tiny_cpu_suite_writes_throughput_memory_and_max_batch(tmp_path):
     from benchmarks import bench_throughput
 

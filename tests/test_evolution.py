@@ -164,6 +164,7 @@ def test_gradient_error_drift_switches_to_a_policy_within_the_bound():
     assert not should_switch(prof, first, new, static, budget_nbytes=budget, max_rel_error=1.0)
 
 
+@pytest.mark.slow  # 17 s; the switch itself is tested by the outlier-shift test
 def test_adaptive_off_never_tracks_or_switches():
     model, batch, session = _setup(adaptive=False)
     first = session.policy

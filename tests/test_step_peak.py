@@ -210,7 +210,7 @@ def test_a_longer_batch_the_budget_cannot_hold_runs_full_recompute_with_a_warnin
     session.close()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", pytest.param("t5", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 def test_gradient_accumulation_steps_peak_within_the_prediction(family, autocast):
     """In a later micro-batch every gradient of the first is alive through backward: the step

@@ -57,7 +57,7 @@ def _session(trainer):
     return cb.session
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", pytest.param("t5", marks=pytest.mark.slow)])
 def test_plain_trainer_trains_under_a_budget_with_a_mixed_policy(tmp_path, family):
     # Four blocks: on tiny CPU blocks keeping ops costs more dispatch overhead than it saves
     # (priced by the solver), so the mix comes from blocks with and without checkpointing.
