@@ -269,7 +269,7 @@ def test_tracking_the_profiled_batch_moves_no_codec_size(family, overrides):
         assert sizes[(group, key, codec)] == op.codecs[codec].nbytes, (key, codec, changes)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_tracking_steps_stay_within_the_budget(family):
     """A tracking step measures codecs mid-forward on live activations (the payload, a decoded
     copy, the error's float32 pieces) and keeps a small device buffer all step: in bf16, where

@@ -115,6 +115,7 @@ def test_masked_scores_are_judged_on_what_the_mask_leaves_visible():
     assert plain < 0.2 < 0.5 < ruined  # the sentinels' column scales wipe out the visible scores
 
 
+@pytest.mark.slow  # 30 s; the sentinel rule itself is tested on a tensor just above
 def test_t5_masked_scores_are_never_compressed():
     """T5's masked attention scores carry finfo.min: no codec is profiled for them, so no budget
     makes the solver compress them, while the unmasked scores can be."""
