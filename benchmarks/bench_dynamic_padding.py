@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import resource
@@ -41,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from adacc_hf import apply_adacc, trace_model
 from adacc_hf.policy.builders import random_mix
 from benchmarks.harness import env
+from benchmarks.harness.report import write_json
 from benchmarks.harness.stats import bootstrap, verdict
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -221,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"table builds {out['builds']}; tables per block {out['tables_per_block_at_end']}")
     print(f"minor page faults per step {out['minor_faults_per_step']}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    write_json(args.json, out, indent=2, sort_keys=True)
     print(f"wrote {args.json}")
     return 0
 

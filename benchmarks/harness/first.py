@@ -170,6 +170,19 @@ def _model(spec: ModelSpec, device: torch.device, dtype: torch.dtype):
     return model, weights, static, opt
 
 
+def _header(spec: ModelSpec, weights: str, dtype, batch_size: int, lo: int, hi: int) -> dict:
+    """What a section's JSON says first: the model, its batch and its budget range."""
+    return {
+        "model": spec.name,
+        "weights": weights,
+        "dtype": str(dtype),
+        "batch": batch_size,
+        "seq_len": spec.seq_len,
+        "min_budget_nbytes": lo,
+        "no_checkpoint_need_nbytes": hi,
+    }
+
+
 def step_peaks(
     spec: ModelSpec,
     batch_size: int,
@@ -187,15 +200,9 @@ def step_peaks(
     profiles = profile_for(model, batch, repeats, no_outlier=False)
     lo, hi = budget_range(profiles.adacc, static)
     res: dict[str, Any] = {
-        "model": spec.name,
-        "weights": weights,
-        "dtype": str(dtype),
-        "batch": batch_size,
-        "seq_len": spec.seq_len,
+        **_header(spec, weights, dtype, batch_size, lo, hi),
         "static_nbytes": static.total,
         "profile_s": time.perf_counter() - t0,
-        "min_budget_nbytes": lo,
-        "no_checkpoint_need_nbytes": hi,
         "baselines": {},
         "budgets": [],
     }
@@ -312,15 +319,9 @@ def throughput(
     lo, hi = budget_range(profiles.adacc, static)
     budget = int(lo + fraction * (hi - lo))
     res: dict[str, Any] = {
-        "model": spec.name,
-        "weights": weights,
-        "dtype": str(dtype),
-        "batch": batch_size,
-        "seq_len": spec.seq_len,
+        **_header(spec, weights, dtype, batch_size, lo, hi),
         "budget_nbytes": budget,
         "budget_fraction": fraction,
-        "min_budget_nbytes": lo,
-        "no_checkpoint_need_nbytes": hi,
         "profile_s": profiles.profile_s,
         "every_n_tried": {},
         "strategies": {},
