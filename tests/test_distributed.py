@@ -359,7 +359,11 @@ def _budget(zero_stage: int = 0, dropout: float = 0.1, fraction: float = 0.4) ->
     )
     batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=64)
     static = estimate_static_memory(
-        model, optimizer="adamw_torch_fused", zero_stage=zero_stage, world_size=2
+        model,
+        optimizer="adamw_torch_fused",
+        zero_stage=zero_stage,
+        world_size=2,
+        ddp=not zero_stage,  # the recipe's DDP run holds DDP's gradient buckets
     )
     return budget_between(profile_model(model, batch, repeats=1), static, fraction)
 

@@ -34,7 +34,8 @@ def run(accel: Accelerator, phase: str, args: argparse.Namespace) -> None:
     first = shard(global_rows(1, args.rows, args.seq_len, model.config), r, n)
     session = None
     if phase == "lossless":  # solved by rank 0 for a mixed budget, no lossy codec allowed
-        budget = mixed_budget(model, first, args.fraction)
+        ddp = {"ddp": True, "world_size": n} if n > 1 else {}  # DDP's buckets count
+        budget = mixed_budget(model, first, args.fraction, **ddp)
         session = adacc_hf.prepare(model, budget, first, optimizer="adamw_torch", max_codec_error=0)
     elif phase == "compressed":  # a fixed mix with compression, whatever the CPU's timings
         policy = random_mix(

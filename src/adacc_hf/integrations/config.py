@@ -24,6 +24,7 @@ STATIC_OPTIONS = (
     "offload_optimizer",
     "master_weights",
     "fp32_embeddings",
+    "ddp",
 )
 
 
@@ -59,6 +60,7 @@ class AdaccConfig:
     world_size: int = 1
     offload_optimizer: bool = False
     master_weights: bool = False  # fp32 copies of 16-bit parameters (DeepSpeed mixed precision)
+    ddp: bool = False  # replicated by DDP: its gradient buckets count (`solver.static`)
     profile_repeats: int = 3
     # Fraction of the budget above static memory the solver leaves free for batch-to-batch
     # variation (int4_outlier sizes vary by block and batch) and fragmentation.

@@ -1,8 +1,8 @@
 """Sharding read off a run, for the static memory model (per-device budgets).
 
 `sharding_from_trainer` / `sharding_from_accelerate` / `sharding_from_model` return the
-`AdaccConfig` fields that matter (ZeRO stage, FSDP, world size, optimizer offload, DeepSpeed's fp32
-master weights) as `dataclasses.replace` keywords; empty when nothing is sharded.
+`AdaccConfig` fields that matter (ZeRO stage, FSDP, DDP, world size, optimizer offload, DeepSpeed's
+fp32 master weights) as `dataclasses.replace` keywords; empty when a single process trains.
 """
 
 from __future__ import annotations
@@ -89,13 +89,20 @@ def sharding_from_accelerate(n: int | None = None) -> dict[str, Any]:
         )
         reshard = "FULL_SHARD" if version == 2 else getattr(fsdp, "reshard_after_forward", None)
         return _fsdp_fields(reshard, offload, n)
+    if str(state.distributed_type).split(".")[-1].startswith("MULTI_") and n > 1:
+        return {"ddp": True, "world_size": n}  # Accelerate wraps the model in DDP
     return {}
 
 
 def sharding_from_model(model: nn.Module) -> dict[str, Any]:
-    """Sharding fields read off a model: a DeepSpeed engine, ZeRO-3 partitioned parameters, or
-    FSDP2 (`fully_shard`) DTensor parameters. Empty when nothing is sharded."""
+    """Sharding fields read off a model: a DeepSpeed engine, ZeRO-3 partitioned parameters, FSDP2
+    (`fully_shard`) DTensor parameters or a DDP wrapper; else Accelerate's state (a model
+    prepared before `Accelerator.prepare` wraps it). Empty when a single process trains."""
+    from torch.nn.parallel import DistributedDataParallel
+
     n = world_size()
+    if isinstance(model, DistributedDataParallel) and n > 1:
+        return {"ddp": True, "world_size": n}
     stage = getattr(model, "zero_optimization_stage", None)
     if callable(stage):  # a DeepSpeed engine
         offload = bool(model.zero_use_cpu_optimizer())
@@ -113,4 +120,9 @@ def sharding_from_model(model: nn.Module) -> dict[str, Any]:
     for p in params:
         if isinstance(p, DTensor):
             return {"zero_stage": 0, "fsdp": True, "world_size": p.device_mesh.size()}
-    return {}
+    if n == 1:
+        return {}
+    try:
+        return sharding_from_accelerate()
+    except ImportError:  # pragma: no cover - Accelerate is optional here
+        return {}

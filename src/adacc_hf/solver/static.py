@@ -29,6 +29,12 @@ path computes the square roots of every parameter of a group at once: 1x the tra
 Sharding over ``world_size``: ZeRO-1 divides optimizer states and master weights, ZeRO-2 also
 gradients, ZeRO-3 and FSDP (full shard) also parameters. ``offload_optimizer`` keeps optimizer
 states and master weights off the device.
+
+Communication buffers (``comm``, resident from the engine's construction on, measured per rank in
+``tests/test_distributed.py``): DDP (``ddp=True``, ``gradient_as_bucket_view=False`` as Accelerate
+and the HF Trainer leave it) copies each gradient into a flat bucket for its all-reduce: buckets
+cover every trainable parameter once, 1x the gradient bytes. (With ``gradient_as_bucket_view=True``
+the gradients are views of the buckets: counting them as well over-counts by 1x the gradients.)
 """
 
 from __future__ import annotations
@@ -119,16 +125,19 @@ class StaticMemory:
     note: str = ""
     buffers: int = 0  # model buffers (rotary tables, position ids)
     optimizer_step: int = 0  # temporaries alive inside optimizer.step()
+    comm: int = 0  # communication buffers held all step (DDP's gradient buckets)
 
     @property
     def total(self) -> int:
-        """Parameters, gradients, optimizer states and master weights (what persists)."""
-        return self.params + self.grads + self.optimizer + self.master_weights
+        """Parameters, gradients, optimizer states, master weights and communication buffers
+        (what persists)."""
+        return self.params + self.grads + self.optimizer + self.master_weights + self.comm
 
     @property
     def resident(self) -> int:
-        """On the device all step long, gradients aside: parameters, buffers, states, masters."""
-        return self.params + self.buffers + self.optimizer + self.master_weights
+        """On the device all step long, gradients aside: parameters, buffers, states, masters,
+        communication buffers."""
+        return self.params + self.buffers + self.optimizer + self.master_weights + self.comm
 
     def describe(self) -> str:
         """A small table: one line per component, then the total."""
@@ -137,6 +146,7 @@ class StaticMemory:
             ("gradients", self.grads, f"{self.num_trainable:,} trainable"),
             ("optimizer states", self.optimizer, ""),
             ("master weights", self.master_weights, ""),
+            ("comm buffers", self.comm, "DDP gradient buckets" if self.comm else ""),
         ]
         lines = [f"{'component':18s} {'bytes/device':>14s}  note"]
         lines += [f"{k:18s} {fmt_bytes(v):>14s}  {n}".rstrip() for k, v, n in rows]
@@ -228,9 +238,11 @@ def estimate_static_memory(
     world_size: int = 1,
     offload_optimizer: bool = False,
     fp32_embeddings: bool = False,
+    ddp: bool = False,
 ) -> StaticMemory:
     """Predicted static bytes per device of training ``model`` (rules in the module docstring).
-    ``fp32_embeddings``: 8-bit optimizers keep embedding states in fp32, as under the HF Trainer."""
+    ``fp32_embeddings``: 8-bit optimizers keep embedding states in fp32, as under the HF Trainer.
+    ``ddp``: replicated over ``world_size`` ranks by DDP, with its gradient buckets."""
     opt = _optimizer_model(optimizer)
     if mixed_precision not in MIXED_PRECISION:
         raise BudgetError(
@@ -242,6 +254,8 @@ def estimate_static_memory(
         raise BudgetError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
     if fsdp and zero_stage:
         raise BudgetError("use either fsdp=True (full shard) or a ZeRO stage, not both")
+    if ddp and (fsdp or zero_stage):
+        raise BudgetError("ddp=True is plain data parallelism: not with fsdp or a ZeRO stage")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise BudgetError(f"world_size must be an int >= 1, not {world_size!r}")
 
@@ -277,6 +291,8 @@ def estimate_static_memory(
     notes = [optimizer]
     if stage:
         notes.append(f"{'FSDP full shard' if fsdp else f'ZeRO-{stage}'} over {world_size}")
+    if ddp:
+        notes.append(f"DDP over {world_size}")
     if offload_optimizer:
         notes.append("optimizer offloaded")
     cuda = any(p.device.type == "cuda" for p in model.parameters())
@@ -296,6 +312,7 @@ def estimate_static_memory(
         note=", ".join(notes),
         buffers=buffers,
         optimizer_step=step,
+        comm=grads if ddp and world_size > 1 else 0,
     )
 
 
