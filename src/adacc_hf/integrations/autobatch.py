@@ -5,8 +5,9 @@ Candidates are the divisors of the global batch (so accumulation keeps it exactl
 first. Each is planned as training plans it (`AdaccSession.plan`, at its own accumulation): the
 first is profiled in full, the others scale its op costs by their size and measure their memory
 (the step timeline, the action tables the policy uses), so a candidate's predicted step peak is
-as exact as a training plan's. The first candidate no policy fits ends the search (larger ones
-hold more).
+as exact as a training plan's. The first candidate no policy fits, or whose planning runs out of
+the device's memory (``torch.OutOfMemoryError``: the budget is above what the device holds), ends
+the search (larger ones hold more).
 
 Time: a step under full recomputation is timed at the smallest and the largest fitting candidate
 (what a micro-batch costs beyond its share of the work: per-call overheads, small kernels), fitted
@@ -19,6 +20,7 @@ backward). Predicted tokens/s = ``micro_batch * length / step`` (the bucket's le
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import statistics
 import time
@@ -153,6 +155,44 @@ def _time_step_ms(
     return statistics.median(times[1:])
 
 
+def _first_line(message: str) -> str:
+    return (message.strip().splitlines() or ["out of memory"])[0][:160]
+
+
+def _free(device: torch.device) -> None:
+    """After an out-of-memory error: collect what its frames held and return cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _time_ends(
+    model: nn.Module, planned: list, autocast: torch.dtype | None, device: torch.device
+) -> list[tuple[int, float, Policy]]:
+    """Full recomputation's measured step time at the smallest and the largest fitting
+    candidates; a largest one that runs out of memory is dropped from `planned` (with its note)
+    and the next largest timed instead."""
+    while True:
+        ends = [planned[0]] if len(planned) == 1 else [planned[0], planned[-1]]
+        oom = None
+        try:
+            return [
+                (c.micro_batch, _time_step_ms(model, b, least, autocast), least)
+                for c, _, _, _, b, least in ends
+            ]
+        except torch.OutOfMemoryError as e:
+            oom = str(e)
+        _free(device)
+        if len(planned) == 1:
+            raise torch.OutOfMemoryError(
+                f"{oom}\nadacc auto micro-batch: even a micro-batch of "
+                f"{planned[0][0].micro_batch} under full recomputation does not fit the device"
+            )
+        dropped = planned.pop()[0]
+        dropped.peak_nbytes = dropped.step_ms = dropped.tokens_per_s = None
+        dropped.note = f"out of memory when timed: {_first_line(oom)}"
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -196,13 +236,20 @@ def choose_micro_batch(
         if config.max_seq_len:  # the run's longest batch, as `AdaccSession.setup` plans it
             key = (key[0], *(max(k, config.max_seq_len) for k in key[1:-1]), key[-1])
         batch = padded(batch, key, pad if isinstance(pad, int) else None)
+        oom = None
         try:
             plan = session.plan(batch, key)
         except BudgetError as e:
             cand.note = f"no policy fits: {str(e).split(':')[0]}"
             break
+        except torch.OutOfMemoryError as e:
+            oom = str(e)  # leaving this block frees what the failed profile held
         finally:
             session.close()
+        if oom is not None:
+            cand.note = f"out of memory while planning: {_first_line(oom)}"
+            _free(device)
+            break
         static = session.static
         pred = plan.policy.metadata.get("predicted", {})
         cand.peak_nbytes = int(pred["peak_nbytes"])
@@ -214,12 +261,7 @@ def choose_micro_batch(
         raise BudgetError(
             f"auto micro-batch: not even a micro-batch of 1 fits the budget ({cands[0].note})"
         )
-    # Full recomputation's measured step time at the smallest and largest fitting candidates.
-    ends = [planned[0]] if len(planned) == 1 else [planned[0], planned[-1]]
-    measured = [
-        (c.micro_batch, _time_step_ms(model, b, least, autocast), least)
-        for c, _, _, _, b, least in ends
-    ]
+    measured = _time_ends(model, planned, autocast, device)
     if len(measured) == 1:
         a, slope = 0.0, measured[0][1] / measured[0][0]
     else:

@@ -161,7 +161,10 @@ class AdaccCallback(TrainerCallback):
             sched = st.get("schedule", {})
         if policy is None and getattr(args, "adacc_policy", None):
             policy = Policy.load(args.adacc_policy)
-        if self.session is not None:
+        reserve = 0
+        if self.session is not None:  # a second train(): auto_find_batch_size after an error
+            self.session.check_oom()
+            reserve = self.session.oom_reserve_nbytes
             self.session.close()
         config = run_config(self._config(args), args)
         choice = self.batch_choice
@@ -195,6 +198,7 @@ class AdaccCallback(TrainerCallback):
             self.session.events.append(choice.event())
         if sched:
             self.session.restore_schedule(sched)
+        self.session.oom_reserve_nbytes = reserve  # what the device showed it does not hold
         self.session.attach()
 
     def on_step_begin(self, args, state, control, **kwargs):

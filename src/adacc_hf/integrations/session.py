@@ -30,6 +30,7 @@ from ..profiler import BlockProbe, measure_policy, profile_model
 from ..profiler.fidelity import policy_block_error
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.allocator import use_expandable_segments
+from ..runtime.capacity import oom_count
 from ..runtime.peak import live_state_nbytes
 from ..runtime.sharded import forwards_without_backward
 from ..schema import Profile
@@ -97,6 +98,9 @@ class AdaccSession(StepHooks):
         self._planning = False
         self._tracker: OutlierTracker | None = None
         self.guard = ReservedGuard()
+        # Kept free below the budget by every plan after out-of-memory errors (`oom`).
+        self.oom_reserve_nbytes = 0
+        self._ooms_seen = oom_count(self.device)
         self._warned: set[str] = set()
         self.step = 0
         # The automatic micro-batch's choice (`autobatch`), for loops that build their own batches.
@@ -142,7 +146,8 @@ class AdaccSession(StepHooks):
         c, static = self.config, self._static()
         acc = c.gradient_accumulation_steps
         budget = self._budget()
-        planned = planned_budget(budget - reserve, static, profile, c.headroom, acc, c.head)
+        reserve += self.oom_reserve_nbytes
+        planned = planned_budget(budget, static, profile, c.headroom, acc, c.head, reserve)
         policy = solve_policy(
             profile,
             planned,
@@ -318,6 +323,7 @@ class AdaccSession(StepHooks):
             batch = dict(kwargs)
             if args:
                 batch.setdefault("input_ids", args[0])
+            self.check_oom()
             if self.current is None or not self.active:
                 self.setup(batch)
             else:

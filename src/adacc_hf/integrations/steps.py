@@ -22,6 +22,8 @@ from ..evolution import (
 )
 from ..policy import Policy
 from ..policy.display import describe, metrics
+from ..runtime.capacity import oom_count
+from .oom import at_floor, grown_reserve, oom_event
 from .plans import AdaccEvent
 
 if TYPE_CHECKING:
@@ -96,6 +98,37 @@ class StepHooks:
         event = AdaccEvent(step, "switch", new_policy, msg, metrics(new_policy))
         self.events.append(event)
         return event
+
+    def out_of_memory(self: AdaccSession, message: str = "") -> bool:
+        """After an out-of-memory error (its `message`): grow the device reserve every plan keeps
+        free below the budget (`oom`) and mark every bucket for re-planning before its next
+        forward. False where the reserve already left only full recomputation: the error is the
+        run's own, and the caller should raise it."""
+        self._ooms_seen = oom_count(self.device)
+        if self.fixed:
+            return False
+        budget, static = self._budget(), self._static().total
+        before = self.oom_reserve_nbytes
+        if at_floor(before, budget, static):
+            return False
+        self.oom_reserve_nbytes = grown_reserve(before, budget, static, message)
+        for plan in self.plans.values():
+            plan.stale = True
+        self.events.append(oom_event(self.step, before, self.oom_reserve_nbytes, message))
+        return True
+
+    def check_oom(self: AdaccSession) -> None:
+        """Before a forward: an out-of-memory error raised since the last check (CUDA's own count,
+        or a simulated device's) that nobody reported grows the reserve (a loop or Trainer that
+        caught it and goes on: accelerate's ``find_executable_batch_size``, ``auto_find_batch_size``)."""
+        seen = oom_count(self.device)
+        if seen > self._ooms_seen and self.out_of_memory():
+            logger.warning(
+                "adacc: an out-of-memory error was raised since the last step; re-planned with "
+                "%.1f MiB kept free. AdaccTrainer retries the micro-batch itself.",
+                self.oom_reserve_nbytes / 2**20,
+            )
+        self._ooms_seen = seen
 
     def step_done(self: AdaccSession, step: int) -> AdaccEvent | None:
         """For custom loops: call once after each optimizer step."""

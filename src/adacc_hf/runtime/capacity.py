@@ -5,7 +5,8 @@ until the storage dies (a finalizer on torch's preserved storage object: the mom
 tensor, view or saved activation holding it goes), so it knows the bytes alive after every op and
 their highest level. It does not read the library's plans or profiles: an independent meter for
 whole training runs (a Trainer's steps, profiling included). With a `capacity` it raises
-``torch.OutOfMemoryError`` (the class a GPU raises, with CUDA's "Tried to allocate" wording) when
+``torch.OutOfMemoryError`` (the class a GPU raises; the wording of torch's CPU allocator, which
+accelerate's batch-size finder recognises, with the sizes CUDA's message gives) when
 an op leaves more than that alive, and counts the event where `oom_count` reads it, as CUDA's
 allocator counts its own: tests see what a GPU would do. ``inflate`` scales every new storage's
 bytes (1.1: an allocator that rounds up 10 %; a plan that under-predicts).
@@ -92,12 +93,10 @@ class DeviceMeter(TorchDispatchMode):
             _cpu_ooms += 1
             alive = self.live_nbytes - added
             del out  # the op's outputs die with the error, as a failed allocation leaves nothing
-            mib = 2**20
             raise torch.OutOfMemoryError(
-                f"Simulated device out of memory. Tried to allocate {added / mib:.2f} MiB "
-                f"({func}). Device has a total capacity of {self.capacity / mib:.2f} MiB of "
-                f"which {max(self.capacity - alive, 0) / mib:.2f} MiB is free; {alive / mib:.2f} "
-                "MiB in use."
+                f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {added} bytes "
+                f"({func}) on a simulated device of {self.capacity} bytes, of which "
+                f"{max(self.capacity - alive, 0)} bytes free; {alive} bytes in use"
             )
         self.peak_nbytes = max(self.peak_nbytes, self.live_nbytes)
         return out

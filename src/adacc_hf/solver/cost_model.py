@@ -261,22 +261,26 @@ def planned_budget(
     headroom: float = HEADROOM,
     accumulation: int = 1,
     head: str = "full",
+    reserve: int = 0,
 ) -> int:
-    """The budget to solve for: `headroom` of the share left after static memory kept free, unless
-    the whole budget fits no checkpointing at all (nothing data-dependent then), with the LM head
-    run as `head` (or any measured way for "auto"). Where the headroom would leave less than the
-    least step peak, the least step peak: at the tight end only the policies holding the least fit,
-    and they hold no codec output whose size varies (the step model predicts them as measured), so
-    the budget below full recomputation's peak stays free rather than filled with compressed
-    outputs the headroom was meant to cover."""
+    """The budget to solve for: `reserve` bytes below the budget (what the device showed it does
+    not hold: `integrations.guard`, `integrations.oom`), and `headroom` of the share left after
+    static memory kept free, unless that fits no checkpointing at all (nothing data-dependent
+    then), with the LM head run as `head` (or any measured way for "auto"). Never below the least
+    step peak where the budget itself holds it: at the tight end only the policies holding the
+    least fit, and they hold no codec output whose size varies (the step model predicts them as
+    measured), so the budget below full recomputation's peak stays free rather than filled with
+    compressed outputs the headroom was meant to cover; and a reserve larger than the activation
+    share leaves full recomputation, not an infeasible plan."""
     peaks = [
         extreme_peaks(profile, static, accumulation, h) for h in candidate_heads(profile, head)
     ]
     low = min(p[0].peak_nbytes for p in peaks)
-    if budget_nbytes >= min(p[1].peak_nbytes for p in peaks):
-        return budget_nbytes
+    room = budget_nbytes - max(0, reserve)
+    if room >= min(p[1].peak_nbytes for p in peaks):
+        return room
     total = static.total if isinstance(static, StaticMemory) else int(static)
-    planned = budget_nbytes - int(max(0, budget_nbytes - total) * headroom)
+    planned = room - int(max(0, room - total) * headroom)
     return min(budget_nbytes, max(planned, low))
 
 
