@@ -167,7 +167,8 @@ def test_every_recipe_config_parses_with_accelerates_loader():
                 "fsdp": False,
                 "world_size": 2,
                 "offload_optimizer": offload,
-                "master_weights": False,  # "auto": follows --bf16 / --fp16
+                # ZeRO-1/2 always clone an fp32 partition; else "auto" follows --bf16 / --fp16
+                "master_weights": stage in (1, 2),
             }, name
         if kind == "FSDP":
             assert cfg.fsdp_config["fsdp_version"] == 2
@@ -333,6 +334,62 @@ def test_fsdp2_with_adacc_trains_and_matches_fsdp2_without_it(tmp_path):
         else:
             assert "compress" in r0["kinds"]
             assert _rel(r0["losses"], p0["losses"]) <= COMPRESSED_RTOL
+
+
+# Each rank's whole step (~15-40 s a launch; the known misses are slow), measured (every byte its CPU allocator holds, on any thread) against
+# the prediction of the policy it runs. Not yet within 5 %: FSDP2 (backward re-gathers and
+# unsharded gradients are estimated), ZeRO-2 (the timeline keeps every later block's whole
+# gradient, ZeRO-2 frees them once reduced) and ZeRO-3 (parameters stay gathered up to
+# `stage3_max_live_parameters` / `stage3_max_reuse_distance`, uncounted).
+RANK_PEAK_RTOL = 0.05
+_NOT_YET = {
+    "fsdp2": "FSDP2 backward (re-gather, unsharded gradients) is estimated: ~10 % under",
+    "zero2": "the timeline counts ZeRO-2's reduced gradients as held: ~8 % over",
+    "zero3": "ZeRO-3 keeps parameters gathered (max live / reuse distance): ~25 % under",
+}
+
+
+@launched
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "ddp",
+        pytest.param(
+            "fsdp2", marks=[pytest.mark.slow, pytest.mark.xfail(reason=_NOT_YET["fsdp2"])]
+        ),
+        pytest.param(
+            "zero2",
+            marks=[
+                pytest.mark.deepspeed,
+                pytest.mark.slow,
+                pytest.mark.xfail(reason=_NOT_YET["zero2"]),
+            ],
+        ),
+        pytest.param(
+            "zero3",
+            marks=[
+                pytest.mark.deepspeed,
+                pytest.mark.slow,
+                pytest.mark.xfail(reason=_NOT_YET["zero3"]),
+            ],
+        ),
+    ],
+)
+def test_each_ranks_measured_step_peak_is_within_budget_and_its_prediction(engine, tmp_path):
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    cmd = _torchrun(SCRIPTS / "rank_peak.py", "--engine", engine, "--out", str(tmp_path))
+    rc = _run(cmd, tmp_path, timeout=LAUNCH_TIMEOUT)
+    reports = _reports(tmp_path, engine)
+    assert rc == 0 or engine == "zero3", _tail(tmp_path)  # ZeRO-3 may abort at exit
+    assert reports[0]["fingerprint"] == reports[1]["fingerprint"]
+    for r in reports:
+        measured, predicted = r["measured_nbytes"], r["predicted_nbytes"]
+        print(f"{engine} rank {r['rank']}: predicted {predicted}, measured {measured}, "
+              f"budget {r['budget_nbytes']}")  # fmt: skip
+        assert len(r["kinds"]) >= 2, r["kinds"]  # a mixed policy, not an extreme
+        assert measured <= r["budget_nbytes"], r
+        assert abs(measured - predicted) <= RANK_PEAK_RTOL * predicted, r
 
 
 # Four blocks: a mixed budget then mixes blocks with and without checkpointing. (In tiny CPU blocks

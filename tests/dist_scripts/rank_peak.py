@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 import adacc_hf
 from adacc_hf import assets
 from adacc_hf.integrations.sharding import sharding_from_model
+from adacc_hf.solver import predict
 
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")
 
@@ -44,6 +45,8 @@ class ProcessMeter:
     all threads): at the first allocation inside the block, and at its highest."""
 
     def __enter__(self) -> ProcessMeter:
+        self._marks: dict[str, int] = {}
+        self.phases: dict[str, int] = {}
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         return self
@@ -59,17 +62,35 @@ class ProcessMeter:
             if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
                 f = node.extra_fields
                 events.append((node.start_time_ns, int(f.total_allocated), int(f.alloc_size)))
+            elif node.name.startswith("mark:"):
+                self._marks[node.name[5:]] = node.start_time_ns
         events.sort()
         self.start_nbytes = events[0][1] - events[0][2]
         self.peak_nbytes = max(total for _, total, _ in events)
+        edges = sorted(self._marks.items(), key=lambda kv: kv[1])
+        lo = 0
+        for name, t in edges:  # the highest level before each mark (since the previous one)
+            totals = [total for when, total, _ in events if lo <= when < t]
+            self.phases[name] = max(totals, default=0)
+            lo = t
+
+    def mark(self, name: str) -> None:
+        with torch.profiler.record_function("mark:" + name):
+            pass
 
 
-def train_step(model: Any, batch: dict[str, torch.Tensor], opt: Any) -> None:
+def train_step(
+    model: Any, batch: dict[str, torch.Tensor], opt: Any, meter: ProcessMeter | None = None
+) -> None:
+    mark = meter.mark if meter is not None else lambda name: None
     loss = model(**batch).loss
+    mark("forward")
     loss.backward()
     del loss
+    mark("backward")
     opt.step()
     opt.zero_grad(set_to_none=True)
+    mark("optimizer")
 
 
 class EngineOptimizer:
@@ -165,7 +186,7 @@ def run(engine: str, args: argparse.Namespace) -> None:
     batch = shard(global_rows(args.warmup + 2, args.rows, args.seq_len, cfg), r, n)
     gc.collect()
     with ProcessMeter() as meter:
-        train_step(step_model, batch, opt)
+        train_step(step_model, batch, opt, meter)
     pred = session.policy.metadata["predicted"]
     static = session.static
     report = {
@@ -178,6 +199,8 @@ def run(engine: str, args: argparse.Namespace) -> None:
         "predicted_moment": pred["peak_moment"],
         "measured_nbytes": meter.peak_nbytes,
         "measured_start_nbytes": meter.start_nbytes,
+        "measured_phases": meter.phases,
+        "predicted_moments": predict(session.profile, session.policy, session._static()).moments,
         "measure_step_peak_nbytes": tracked.peak_nbytes,
         "measure_step_peak_phases": tracked.phases,
         "static": None if static is None else vars(static),

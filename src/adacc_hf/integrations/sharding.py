@@ -19,7 +19,7 @@ __all__ = ["sharding_from_accelerate", "sharding_from_model", "sharding_from_tra
 
 def _zero_fields(ds_config: dict[str, Any], n: int) -> dict[str, Any]:
     """DeepSpeed: the ZeRO stage, optimizer offload, and fp32 master weights when it trains in
-    bf16 / fp16 (values still "auto" count as off)."""
+    bf16 / fp16 (values still "auto" count as off) or under ZeRO-1/2 (always an fp32 partition)."""
     zero = ds_config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     stage = int(stage) if str(stage).isdigit() else 0
@@ -34,7 +34,7 @@ def _zero_fields(ds_config: dict[str, Any], n: int) -> dict[str, Any]:
         "fsdp": False,
         "world_size": n,
         "offload_optimizer": device in ("cpu", "nvme"),
-        "master_weights": half,
+        "master_weights": half or stage in (1, 2),
     }
 
 
@@ -64,8 +64,9 @@ def sharding_from_trainer(args: Any) -> dict[str, Any]:
         fields = _fsdp_fields("FULL_SHARD" if version == 2 else reshard, offload, n)
     else:
         fields = sharding_from_accelerate(n)
-    if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
-        fields.pop("master_weights", None)  # the static model needs the precision to count them
+    half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    if not half and fields.get("zero_stage") not in (1, 2):
+        fields.pop("master_weights", None)  # fp32 parameters: only ZeRO-1/2 copy them
     return fields
 
 
@@ -106,12 +107,15 @@ def sharding_from_model(model: nn.Module) -> dict[str, Any]:
     stage = getattr(model, "zero_optimization_stage", None)
     if callable(stage):  # a DeepSpeed engine
         offload = bool(model.zero_use_cpu_optimizer())
-        return {
+        fields = {
             "zero_stage": int(stage()),
             "fsdp": False,
             "world_size": n,
             "offload_optimizer": offload,
         }
+        if fields["zero_stage"] in (1, 2):
+            fields["master_weights"] = True  # ZeRO-1/2 clone an fp32 partition of the parameters
+        return fields
     params = list(model.parameters())
     if any(hasattr(p, "ds_id") for p in params):
         return {"zero_stage": 3, "fsdp": False, "world_size": n}

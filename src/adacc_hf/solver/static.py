@@ -16,7 +16,10 @@ a step. Rules (per trainable parameter of ``n`` elements at ``e`` bytes each):
   a full fp32 state for vectors, + a 4-byte RMS scalar per parameter;
 * ``lion``, ``adagrad``, ``rmsprop``: 1 state (``*_32bit``: fp32 states);
 * master weights (``master_weights=True``, DeepSpeed-style mixed precision with 16-bit
-  parameters): 4 bytes per element. AMP with fp32 parameters needs no master copy.
+  parameters): 4 bytes per element. AMP with fp32 parameters needs no master copy. DeepSpeed's
+  ZeRO-1/2 optimizer clones an fp32 partition of every trainable parameter whatever its dtype
+  (``single_partition_of_fp32_groups``): with ``master_weights`` (DeepSpeed's readers in
+  `integrations.sharding` set it) fp32 parameters count too; ZeRO-3 reuses fp32 partitions.
 
 The optimizer step's own temporaries (``optimizer_step``, alive only inside ``optimizer.step()``),
 as torch 2.13 and bitsandbytes 0.50 allocate them, measured per optimizer in the tests: on CPU,
@@ -35,6 +38,8 @@ Communication buffers (``comm``, resident from the engine's construction on, mea
 and the HF Trainer leave it) copies each gradient into a flat bucket for its all-reduce: buckets
 cover every trainable parameter once, 1x the gradient bytes. (With ``gradient_as_bucket_view=True``
 the gradients are views of the buckets: counting them as well over-counts by 1x the gradients.)
+DeepSpeed ZeRO-3 allocates its gradient partitions as one flat buffer at start-up
+(``grad_partitions_flat_buffer``): the sharded gradients are resident, counted here.
 """
 
 from __future__ import annotations
@@ -146,7 +151,7 @@ class StaticMemory:
             ("gradients", self.grads, f"{self.num_trainable:,} trainable"),
             ("optimizer states", self.optimizer, ""),
             ("master weights", self.master_weights, ""),
-            ("comm buffers", self.comm, "DDP gradient buckets" if self.comm else ""),
+            ("comm buffers", self.comm, "DDP buckets / ZeRO-3 gradient partitions"),
         ]
         lines = [f"{'component':18s} {'bytes/device':>14s}  note"]
         lines += [f"{k:18s} {fmt_bytes(v):>14s}  {n}".rstrip() for k, v, n in rows]
@@ -248,7 +253,7 @@ def estimate_static_memory(
         raise BudgetError(
             f"mixed_precision must be one of {MIXED_PRECISION}, not {mixed_precision!r}"
         )
-    if master_weights and mixed_precision in (None, "no"):
+    if master_weights and mixed_precision in (None, "no") and zero_stage not in (1, 2):
         raise BudgetError("master_weights=True needs mixed_precision='bf16' or 'fp16'")
     if zero_stage not in (0, 1, 2, 3):
         raise BudgetError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
@@ -279,7 +284,7 @@ def estimate_static_memory(
         quantised = _quantised(p, opt, fp32)
         states += _state_nbytes(p, opt, quantised)
         any_8bit |= quantised
-        if master_weights and p.is_floating_point() and e < 4:
+        if master_weights and p.is_floating_point() and (e < 4 or zero_stage in (1, 2)):
             master += 4 * n
     if any_8bit:
         states += opt.states * BNB_QMAP_NBYTES
@@ -302,9 +307,13 @@ def estimate_static_memory(
     if offload_optimizer:
         states = master = step = 0
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    grads = shard(grads, stage >= 2)
+    comm = grads if ddp and world_size > 1 else 0
+    if zero_stage == 3 and not offload_optimizer:  # the flat gradient-partition buffer
+        comm, grads = grads, 0
     return StaticMemory(
         params=shard(params, stage >= 3),
-        grads=shard(grads, stage >= 2),
+        grads=grads,
         optimizer=states,
         master_weights=master,
         num_params=num,
@@ -312,7 +321,7 @@ def estimate_static_memory(
         note=", ".join(notes),
         buffers=buffers,
         optimizer_step=step,
-        comm=grads if ddp and world_size > 1 else 0,
+        comm=comm,
     )
 
 
