@@ -421,6 +421,7 @@ def _budget(zero_stage: int = 0, dropout: float = 0.1, fraction: float = 0.4) ->
         zero_stage=zero_stage,
         world_size=2,
         ddp=not zero_stage,  # the recipe's DDP run holds DDP's gradient buckets
+        master_weights=zero_stage in (1, 2),  # ZeRO-1/2's fp32 partition
     )
     return budget_between(profile_model(model, batch, repeats=1), static, fraction)
 
