@@ -169,3 +169,44 @@ def test_auto_micro_batch_on_a_device_smaller_than_the_budget_trains_to_the_end(
     a = trainer.args
     assert a.per_device_train_batch_size < 8
     assert a.per_device_train_batch_size * a.gradient_accumulation_steps == 8
+
+
+@pytest.mark.slow
+def test_a_custom_loop_that_catches_the_error_is_replanned_at_its_next_forward(caplog):
+    from adacc_hf import estimate_static_memory, prepare, profile_model
+    from adacc_hf.runtime.peak import live_state_nbytes
+    from adacc_hf.solver import budget_between
+
+    model = assets.tiny_model("llama", seed=0, num_hidden_layers=4)
+    batch = assets.tiny_batch("llama", model, batch_size=4, seq_len=32)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    static = estimate_static_memory(model, optimizer="adamw_torch")
+    budget = budget_between(profile_model(model, batch, repeats=1), static, 0.8)
+    session = prepare(
+        model, budget, batch, codecs=[], adaptive=False, optimizer="adamw_torch", profile_repeats=1
+    )
+    planned = session.policy.metadata["predicted"]["peak_nbytes"]
+
+    def step() -> bool:
+        try:
+            model(**batch).loss.backward()
+            opt.step()
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            opt.zero_grad(set_to_none=True)
+        return True
+
+    with DeviceMeter(baseline=live_state_nbytes(model, opt, list(batch.values()))) as dev:
+        assert step()
+        dev.capacity, dev.inflate = dev.peak_nbytes, 1.1  # now every allocation runs 10 % over
+        dev.reset_peak()
+        assert not step()  # the loop catches it and goes on
+        with caplog.at_level(logging.WARNING, logger="adacc_hf"):
+            dev.reset_peak()
+            assert step()
+    assert "re-planned" in caplog.text
+    assert session.oom_reserve_nbytes > 0
+    assert session.policy.metadata["predicted"]["peak_nbytes"] < planned
+    assert dev.peak_nbytes <= dev.capacity
+    session.close()
