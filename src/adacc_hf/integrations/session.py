@@ -28,10 +28,11 @@ from ..policy import Policy
 from ..policy.display import describe, metrics
 from ..profiler import BlockProbe, measure_policy, profile_model
 from ..profiler.fidelity import policy_block_error
+from ..profiler.room import profiling_room
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.allocator import use_expandable_segments
 from ..runtime.capacity import oom_count
-from ..runtime.peak import live_state_nbytes
+from ..runtime.peak import live_state_nbytes, storage_nbytes
 from ..runtime.sharded import forwards_without_backward
 from ..schema import Profile
 from ..solver import (
@@ -181,14 +182,15 @@ class AdaccSession(StepHooks):
             return plan
         probes: dict[str, BlockProbe] = {}
         reserve = plan.reserve_nbytes if plan is not None else 0
+        room = self.profiling_room(batch)
         if plan is not None:
             profile = plan.profile
         elif key in self.profiles:
             profile = self.profiles[key]
         else:
-            profile = self.profiles[key] = self._profile(batch, key, probes)
+            profile = self.profiles[key] = self._profile(batch, key, probes, room)
         try:
-            policy = self.solve_measured(profile, probes, reserve)
+            policy = self.solve_measured(profile, probes, reserve, room)
         except BudgetError as e:
             if self.current is None:  # the run's first plans: fail before any work is lost
                 raise
@@ -216,7 +218,11 @@ class AdaccSession(StepHooks):
         return plan
 
     def solve_measured(
-        self, profile: Profile, probes: dict[str, BlockProbe], reserve: int = 0
+        self,
+        profile: Profile,
+        probes: dict[str, BlockProbe],
+        reserve: int = 0,
+        room: int | None = None,
     ) -> Policy:
         """Solve; measure and time the action tables the policy uses on the profiled blocks
         (their real transients go into the profile) and their blocks' gradient error, and solve
@@ -229,7 +235,7 @@ class AdaccSession(StepHooks):
             self._planning = True
             try:
                 rounds = self.config.profile_repeats
-                new = measure_policy(profile, probes, policy, self.autocast, rounds)
+                new = measure_policy(profile, probes, policy, self.autocast, rounds, room)
                 err = policy_block_error(probes, policy, self.autocast) if bound else 0.0
             finally:
                 self._planning = False
@@ -247,11 +253,22 @@ class AdaccSession(StepHooks):
             pred["added_ms"] = predict(profile, policy, self._static(), acc).added_ms
         return policy
 
+    def profiling_room(self, batch: Mapping[str, Any]) -> int:
+        """The bytes profiling may add now within the budget (`profiler.room`)."""
+        s = self._static()
+        tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+        return profiling_room(self.model, self._budget(), tensors, s.optimizer + s.master_weights)
+
     def _profile(
-        self, batch: Mapping[str, Any], key: ShapeKey, probes: dict | None = None
+        self,
+        batch: Mapping[str, Any],
+        key: ShapeKey,
+        probes: dict | None = None,
+        room: int | None = None,
     ) -> Profile:
-        """Profile `batch` padded to `key`'s edge; op costs scale from the nearest profiled
-        bucket when there is one (memory is always measured)."""
+        """Profile `batch` padded to `key`'s edge, within `room` bytes less the padded copy; op
+        costs scale from the nearest profiled bucket when there is one (memory is always
+        measured)."""
         pad = getattr(self.model.config, "pad_token_id", None)
         sample = padded(batch, key, pad if isinstance(pad, int) else None)
         alike = [(k, p) for k, p in self.profiles.items() if k[-1] == key[-1]]  # same masking
@@ -272,6 +289,7 @@ class AdaccSession(StepHooks):
                     autocast=self.autocast,
                     reference=near,
                     probes=probes,
+                    room=None if room is None else max(0, room - storage_nbytes(sample.values())),
                 )
         finally:
             self._planning = False

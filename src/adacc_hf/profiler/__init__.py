@@ -5,12 +5,17 @@ bytes and, for each codec that applies, the encoded bytes, encode + decode time 
 real activation; per block group (`memory`) what a checkpointed and a plain block hold, the
 transients of their backward, their gradients and their place in the model; outside the blocks
 what is held before and after them and the transients of the loss, the head and the embeddings.
-It runs under full recomputation (plus one block at a time without it), so it fits wherever full
-recomputation fits. The solver turns a Profile and a budget into a Policy.
+It runs under full recomputation (plus one block at a time without it). Given ``room`` (the bytes
+it may add above what is alive when it starts: the budget less the run's live state), every run
+predicts its own peak first and runs only what fits: the LM head is measured on slices and
+extrapolated when its full logits do not fit (and the timeline then runs with the chunked head),
+plain-block runs that do not fit are skipped and estimated; no extra forward of the model runs for
+the head. The solver turns a Profile and a budget into a Policy.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -28,6 +33,8 @@ from .head import measure_heads
 from .memory import StepMemory, measure, sharded
 from .ops import GroupOps, candidate_codecs, op_visitor, profile_codec
 from .variants import BlockProbe, measure_policy, measure_variants
+
+logger = logging.getLogger("adacc_hf")
 
 __all__ = [
     "BlockProbe",
@@ -63,6 +70,7 @@ def profile_model(
     autocast: torch.dtype | None = None,
     reference: Profile | None = None,
     probes: dict | None = None,
+    room: int | None = None,
 ) -> Profile:
     """Measure one block of each group on the model's device with the real micro-batch.
 
@@ -72,7 +80,8 @@ def profile_model(
     fp16 mixed precision), so ops, sizes and times are those of the run. With a `reference`
     profile of the same model at another batch shape, op costs are scaled from it (memory is
     always measured). `probes` (a dict) gets each group's profiled block and its inputs, for
-    measuring action tables later (`variants.measure_variants`).
+    measuring action tables later (`variants.measure_variants`). `room`: the bytes profiling may
+    add above what is alive when it starts (None: no limit; see the module docstring).
     """
     t_start = time.perf_counter()
     adapter = get_adapter(model)
@@ -104,9 +113,13 @@ def profile_model(
                 run_representatives(base, sample_batch, visit)
             groups = adapter.block_groups(base)
             specs = {g.name: [o.spec() for o in measured[g.name].ops] for g in groups}
-            mem = measure(base, dict(sample_batch), groups, specs, autocast)
-            # each way of running the LM head and loss (a sharded head gathers across ranks)
-            heads = {} if sharded(base) else measure_heads(base, dict(sample_batch), autocast)
+            # each way of running the LM head and loss (a sharded head gathers across ranks),
+            # first: the timeline runs the chunked head where the model's own does not fit
+            batch = dict(sample_batch)
+            heads = {} if sharded(base) else measure_heads(base, batch, autocast, room=room)
+            mem = measure(base, batch, groups, specs, autocast, room, heads)
+            if mem.skipped:
+                logger.info("adacc: profiling within %d bytes skipped %s", room, mem.skipped)
     finally:
         if active is not None:
             handle.set_policy(active)

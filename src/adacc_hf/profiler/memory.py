@@ -16,6 +16,15 @@ gradient of its output arrives) and ends (the gradient of its input is computed)
   only): what a plain block holds when the next one is plain too (under autocast the next block
   may save a cast of its input rather than the input).
 
+Inside a budget (``room``: the bytes profiling may add above what is alive when it starts), each
+run's peak is predicted before it runs: the full-recomputation run from the trainable gradients,
+each block's checkpointed input (``[tokens x hidden]`` per block) and the model's own LM head alone
+(`head`); a plain or pair run as the full-recomputation run's measured peak plus the bytes its
+plain blocks save (the group's traced ops). Where the model's own head does not fit, the timeline
+runs with the chunked head and is moved back to the model's own head by the measured (or
+extrapolated) difference of the two heads (`to_own_head`); a plain or pair run that does not fit
+is skipped and its group estimated from its traced ops (as `estimate` does).
+
 Backward runs as ``torch.autograd.grad`` over the trainable parameters: gradients are allocated as
 in training (and so are counted), but nothing accumulates into ``.grad`` and no
 gradient-accumulation hook fires (DDP's reducer stays untouched). Sharded models (ZeRO-3, FSDP2)
@@ -26,6 +35,7 @@ are then estimated from the held bytes (see `estimate`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +48,8 @@ from ..runtime import apply_adacc
 from ..runtime.memory import recorded_forward
 from ..runtime.peak import AllocationTracker
 from ..runtime.trace import autocast_context, devices_of, model_kwargs, train_mode
-from ..schema import GroupPolicy, OpSpec, Timeline, Variant
+from ..schema import GroupPolicy, HeadCost, OpSpec, Timeline, Variant
+from .head import head_peak
 
 
 @dataclass
@@ -62,6 +73,7 @@ class StepMemory:
     tail_transient: int = 0  # backward after the first block (embeddings, tied weights)
     measured_backward: bool = True
     timeline: Timeline | None = None  # the full-recomputation step, block by block
+    skipped: list[str] = field(default_factory=list)  # runs predicted not to fit the room
 
 
 def sharded(model: nn.Module) -> bool:
@@ -72,10 +84,15 @@ def sharded(model: nn.Module) -> bool:
 
 
 def _policy(
-    base: nn.Module, groups: list[BlockGroup], specs: dict, first: str | None, kind: str = "plain"
+    base: nn.Module,
+    groups: list[BlockGroup],
+    specs: dict,
+    first: str | None,
+    kind: str = "plain",
+    head: str = "full",
 ) -> Policy:
     """Every block checkpointed and recomputed, but the first block of group `first` plain (or,
-    ``kind="pair"``, its first two blocks plain)."""
+    ``kind="pair"``, its first two blocks plain); the LM head run as `head`."""
     adapter = get_adapter(base)
     gps = {}
     for g in groups:
@@ -89,6 +106,7 @@ def _policy(
         gps,
         {"source": "profiler"},
         adapter_version=adapter.version,
+        head=head,
     )
 
 
@@ -214,43 +232,126 @@ class _Run:
         return max(0, t.peak(f"start:{path}", end) - t.level(f"start:{path}"))
 
 
+def _trainable_nbytes(base: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+
+
+def _checkpoint_nbytes(base: nn.Module, groups: list[BlockGroup], batch: dict) -> int:
+    """Every block's checkpointed input under full recomputation: ``[tokens x hidden]`` each, in
+    the parameters' dtype (the residual stream's under autocast too)."""
+    ids = batch.get("input_ids", batch.get("inputs_embeds"))
+    hidden = getattr(base.config, "hidden_size", None) or getattr(base.config, "d_model", 0)
+    if not isinstance(ids, torch.Tensor) or not hidden:
+        return 0
+    tokens = ids.shape[0] * ids.shape[1]
+    size = max(p.element_size() for p in base.parameters())
+    return sum(len(g.modules) for g in groups) * tokens * hidden * size
+
+
+def _plain_nbytes(ops: list[OpSpec], blocks: int) -> int:
+    """What `blocks` plain blocks save (their traced ops), and the largest one once more."""
+    return blocks * sum(o.nbytes for o in ops) + max((o.nbytes for o in ops), default=0)
+
+
+def timeline_head(
+    base: nn.Module,
+    groups: list[BlockGroup],
+    batch: dict,
+    heads: dict[str, HeadCost],
+    room: int | None,
+) -> str:
+    """The head the full-recomputation run uses: the model's own unless `room` is set and the
+    run's predicted peak with it (trainable gradients, checkpointed inputs, the head alone) does
+    not fit while the chunked head was measured."""
+    own = heads.get("full")
+    if room is None or own is None or "chunked" not in heads:
+        return "full"
+    rest = _trainable_nbytes(base) + _checkpoint_nbytes(base, groups, batch)
+    return "full" if rest + head_peak(own) <= room else "chunked"
+
+
+def to_own_head(mem: StepMemory, heads: dict[str, HeadCost], measured: str) -> None:
+    """Move a timeline measured with head `measured` to the model's own head (``"full"``): the
+    inverse of the shift `solver.step.head_peaks` applies for a chosen head."""
+    if measured == "full":
+        return
+    own, was = heads["full"], heads[measured]
+    held = own.held - was.held
+    fwd, bwd = own.forward_peak - was.forward_peak, own.backward_peak - was.backward_peak
+    mem.after += held
+    mem.forward_transient = max(0, mem.forward_transient + fwd - held)
+    mem.head_transient = max(0, mem.head_transient + bwd - held)
+    if mem.timeline is not None:
+        mem.timeline.loss_peak += fwd
+        mem.timeline.head_peak += bwd
+
+
 def measure(
     base: nn.Module,
     batch: dict[str, Any],
     groups: list[BlockGroup],
     specs: dict[str, list[OpSpec]],
     autocast: torch.dtype | None = None,
+    room: int | None = None,
+    heads: dict[str, HeadCost] | None = None,
 ) -> StepMemory:
     """Run the measurements of the module docstring (every group's ops in `specs`), forwards
-    under `autocast` (a dtype, or None)."""
+    under `autocast` (a dtype, or None), each inside `room` bytes (None: no limit) with the heads'
+    costs `heads` (`head.measure_heads`)."""
     backward = not sharded(base)
     kwargs = model_kwargs(base, batch)
     device = next(base.parameters()).device
+    heads = heads or {}
+    head = timeline_head(base, groups, batch, heads, room)
+    skipped = [] if head == "full" else ["full LM head in the timeline"]
 
     def amp():
         return autocast_context(device, autocast)
 
+    def policy(first: str | None, kind: str = "plain") -> Policy:
+        return _policy(base, groups, specs, first, kind, head)
+
     with train_mode(base), torch.random.fork_rng(devices=devices_of(base)):
-        with apply_adacc(base, _policy(base, groups, specs, None)):
+        with apply_adacc(base, policy(None)):
             run = _Run(base, kwargs, amp(), backward)
+        top = run.tracker.peak()
         plain_runs, pair_runs = {}, {}
         for g in groups:
-            with apply_adacc(base, _policy(base, groups, specs, g.name)):
+            if room is not None and top + _plain_nbytes(specs[g.name], 1) > room:
+                skipped.append(f"plain {g.name}")
+                continue
+            with apply_adacc(base, policy(g.name)):
                 plain_runs[g.name] = _Run(base, kwargs, amp(), backward)
             if len(g.modules) > 1:
-                with apply_adacc(base, _policy(base, groups, specs, g.name, "pair")):
+                if room is not None and top + _plain_nbytes(specs[g.name], 2) > room:
+                    skipped.append(f"pair {g.name}")
+                    continue
+                with apply_adacc(base, policy(g.name, "pair")):
                     pair_runs[g.name] = _Run(base, kwargs, amp(), False)
     rep = run.report
     held = {g.name: round(sum(rep.blocks[p] for p in g.paths) / len(g.paths)) for g in groups}
+
+    def plain(g: BlockGroup, of: Callable[[Any], int], default: int) -> int:
+        r = plain_runs.get(g.name)
+        return of(r) if r is not None else default
+
     mem = StepMemory(
         held=held,
-        full={g.name: plain_runs[g.name].report.blocks[g.paths[0]] for g in groups},
-        plain_casts={g.name: plain_runs[g.name].report.casts[g.paths[0]] for g in groups},
+        full={  # a skipped plain run: what its traced ops output
+            g.name: plain(
+                g, lambda r, g=g: r.report.blocks[g.paths[0]], sum(o.nbytes for o in specs[g.name])
+            )
+            for g in groups
+        },
+        plain_casts={
+            g.name: plain(g, lambda r, g=g: r.report.casts[g.paths[0]], 0) for g in groups
+        },
         before=rep.before,
         after=rep.after,
         largest_other=rep.largest_other,
         output_nbytes={g.name: max(run.outputs.get(p, 0) for p in g.paths) for g in groups},
         measured_backward=backward,
+        skipped=skipped,
     )
     t = run.tracker
     order = [p for p, _ in get_adapter(base).find_blocks(base)]  # forward order
@@ -259,7 +360,9 @@ def measure(
     mem.forward_transient = max(0, t.peak(start, "forward_end") - t.level("forward_end"))
     for g in groups:
         mem.block_fwd_transient[g.name] = max(run.forward_transient(p) for p in g.paths)
-        mem.plain_fwd_transient[g.name] = plain_runs[g.name].forward_transient(g.paths[0])
+        mem.plain_fwd_transient[g.name] = plain(
+            g, lambda r, g=g: r.forward_transient(g.paths[0]), 0
+        )
         if g.name in pair_runs:  # a plain block next to a plain one: its output may not be held
             mem.full_interior[g.name] = pair_runs[g.name].report.blocks[g.paths[0]]
     if not backward:
@@ -276,8 +379,11 @@ def measure(
             mem.tail_transient = max(0, t.peak(last, "backward_end") - t.level(last))
     for g in groups:
         mem.block_transient[g.name] = max(run.transient(p) for p in g.paths)
-        mem.plain_transient[g.name] = plain_runs[g.name].transient(g.paths[0])
+        ops = specs[g.name]
+        guess = max((o.nbytes for o in ops), default=0) + mem.output_nbytes.get(g.name, 0)
+        mem.plain_transient[g.name] = plain(g, lambda r, g=g: r.transient(g.paths[0]), guess)
     mem.timeline = run.timeline(order)
+    to_own_head(mem, heads, head)
     return mem
 
 

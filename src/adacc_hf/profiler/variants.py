@@ -13,6 +13,11 @@ under it over the plain block's, interleaved rounds. Per-op times summed and sca
 block's full recomputation (`calibrate`) miss what a partly kept block pays: on the CPU suite's
 GPT-2 they put such a block at 0.6-1.3x of what it measured. `cost_model.predict` uses the
 measured time of each table the policy runs.
+
+Inside a budget (``room``: the bytes profiling may add), a table whose run is predicted not to fit
+(`run_nbytes`: everything the plain block saves, its backward transient, its gradients and its
+output's) is skipped: the step model then counts the table unmeasured, from its kept bytes and
+workspaces, which is the conservative side.
 """
 
 from __future__ import annotations
@@ -94,16 +99,29 @@ def variant_times(
     return [added_ms(times, str(i), "plain") for i in range(len(variants))]
 
 
+def run_nbytes(profile: Profile, group: str) -> int:
+    """What a run of `group`'s block alone may add at most: everything the plain block saves and
+    its backward transient, its parameters' gradients and its output's gradient."""
+    g = profile.groups[group]
+    return (
+        max(g.full_nbytes, g.input_nbytes)
+        + max(g.plain_transient_nbytes, g.transient_nbytes)
+        + g.grad_nbytes
+        + g.output_nbytes
+    )
+
+
 def measure_variants(
     profile: Profile,
     probes: dict[str, BlockProbe],
     variants: list[tuple[str, Variant]],
     autocast: torch.dtype | None = None,
     rounds: int = MIN_ROUNDS,
+    room: int | None = None,
 ) -> int:
     """Measure each (group, variant) not yet in ``profile.variant_transients`` against full
     recomputation on the same block and record the differences, and time it (`variant_times`,
-    ``profile.variant_ms``). Returns how many were new."""
+    ``profile.variant_ms``); within `room` bytes (None: no limit). Returns how many were new."""
     new: dict[str, dict[str, Variant]] = {}
     cuda = sorted({p.args[0].device.index or 0 for p in probes.values() if p.args[0].is_cuda})
     with torch.random.fork_rng(devices=cuda):
@@ -111,6 +129,8 @@ def measure_variants(
             key = variant_key(group, variant)
             probe = probes.get(group)
             if probe is None or key in profile.variant_transients or not variant.checkpoint:
+                continue
+            if room is not None and group in profile.groups and run_nbytes(profile, group) > room:
                 continue
             base = profile.variant_transients.get(f"{group}:full")
             if base is None:
@@ -131,7 +151,8 @@ def measure_policy(
     policy: Any,
     autocast: torch.dtype | None = None,
     rounds: int = MIN_ROUNDS,
+    room: int | None = None,
 ) -> int:
     """`measure_variants` of every action table `policy` (a `Policy`) runs on some block."""
     used = [(name, v) for name, g in policy.groups.items() for v in g.variants if v.count]
-    return measure_variants(profile, probes, used, autocast, rounds)
+    return measure_variants(profile, probes, used, autocast, rounds, room)
