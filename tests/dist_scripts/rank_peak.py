@@ -18,6 +18,7 @@ import ctypes
 import gc
 import os
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -203,7 +204,7 @@ def run(engine: str, args: argparse.Namespace) -> None:
         "predicted_moments": predict(session.profile, session.policy, session._static()).moments,
         "measure_step_peak_nbytes": tracked.peak_nbytes,
         "measure_step_peak_phases": tracked.phases,
-        "static": None if static is None else vars(static),
+        "static": None if static is None else asdict(static),
         "kinds": kinds(session.policy),
         "fingerprint": session.policy.fingerprint(),
         "seconds": time.perf_counter() - t0,

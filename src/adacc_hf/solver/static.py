@@ -40,6 +40,9 @@ cover every trainable parameter once, 1x the gradient bytes. (With ``gradient_as
 the gradients are views of the buckets: counting them as well over-counts by 1x the gradients.)
 DeepSpeed ZeRO-3 allocates its gradient partitions as one flat buffer at start-up
 (``grad_partitions_flat_buffer``): the sharded gradients are resident, counted here.
+
+What FSDP2, ZeRO-2 and ZeRO-3 gather, reduce and buffer during the step (not all step long) is
+`engines.EngineMemory`, read off the model here and added per moment by the step model.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from torch import nn
 from ..errors import BudgetError
 from ..runtime.peak import optimizer_tensors, storage_nbytes
 from .budget import fmt_bytes
+from .engines import EngineMemory, engine_memory
 
 BNB_BLOCK = 256  # bitsandbytes blockwise quantisation block (elements per fp32 absmax)
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller parameters
@@ -131,6 +135,7 @@ class StaticMemory:
     buffers: int = 0  # model buffers (rotary tables, position ids)
     optimizer_step: int = 0  # temporaries alive inside optimizer.step()
     comm: int = 0  # communication buffers held all step (DDP's gradient buckets)
+    engine: EngineMemory | None = None  # FSDP2 / ZeRO-2 / ZeRO-3 per-moment rules (`engines`)
 
     @property
     def total(self) -> int:
@@ -322,6 +327,7 @@ def estimate_static_memory(
         buffers=buffers,
         optimizer_step=step,
         comm=comm,
+        engine=engine_memory(model, fsdp=fsdp, zero_stage=zero_stage, world_size=world_size),
     )
 
 

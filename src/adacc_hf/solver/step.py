@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..schema import ALWAYS_RETAIN, GroupProfile, HeadCost, Profile, Timeline
+from .engines import EngineExtras, engine_extras
 from .static import StaticMemory
 
 
@@ -68,6 +69,13 @@ def split_static(static: int | StaticMemory) -> tuple[int, int, int]:
     if isinstance(static, StaticMemory):
         return static.resident, static.grads, static.optimizer_step
     return int(static), 0, 0
+
+
+def extras(static: int | StaticMemory, tl: Timeline, unsharded: int) -> EngineExtras:
+    """What a sharding engine adds to each moment (`engines`; nothing without one). `unsharded`:
+    every trainable parameter's gradient bytes."""
+    engine = static.engine if isinstance(static, StaticMemory) else None
+    return engine_extras(engine, len(tl.held), tl.grads, unsharded)
 
 
 def in_forward_order(profile: Profile, per_group: dict[str, list[BlockLoad]]) -> list[BlockLoad]:
@@ -216,26 +224,31 @@ def step_peak(
         d - (0 if b.checkpoint else g.plain_cast_nbytes)
         for d, b, g in zip(delta, blocks, groups, strict=True)
     ]
+    ex = extras(static, tl, unsharded)
     moments: dict[str, int] = {}
     before = 0
     for j, (b, g) in enumerate(zip(blocks, groups, strict=True)):
         measured = tl.forward_peak[j] - tl.forward_start[j]
+        transient = _forward_transient(b, g, measured, deltas)
         moments[f"forward:{j}"] = (
             resident
             + acc
             + tl.forward_start[j]
             + before
-            + _forward_transient(b, g, measured, deltas)
+            + ex.forward[j]
+            + max(transient, ex.forward_floor[j])
         )
         before += forward_delta[j]
         if j < len(tl.forward_gap) and tl.forward_gap[j]:
-            moments[f"between:{j}"] = resident + acc + tl.forward_gap[j] + before
+            moments[f"between:{j}"] = resident + acc + tl.forward_gap[j] + before + ex.forward[j]
     total = sum(delta)
     loss_peak, head_peak = head_peaks(profile, tl, head)
-    moments["forward"] = resident + acc + loss_peak + before
+    moments["forward"] = resident + acc + loss_peak + before + ex.loss
     # In a later micro-batch the head's new gradients (in the timeline's head peak, where they
     # become the gradients) are transients beside every accumulated gradient.
-    moments["head"] = resident + acc + head_peak + total
+    end = tl.loss_peak - profile.forward_transient_nbytes  # the level forward ends at
+    head_peak = max(head_peak, end + ex.head_floor)
+    moments["head"] = resident + acc + head_peak + total + ex.head
     for j in range(len(blocks) - 1, -1, -1):
         b, g = blocks[j], groups[j]
         measured = tl.backward_peak[j] - tl.backward_start[j]
@@ -249,12 +262,13 @@ def step_peak(
             + sum(delta[: j + 1])
             + cached_output
             + _backward_transient(b, g, measured, deltas)
+            + ex.backward[j]
         )
         if j < len(tl.backward_gap) and tl.backward_gap[j]:  # after block j+1's backward
             moments[f"backward_between:{j}"] = (
-                resident + in_flight + tl.backward_gap[j] + sum(delta[: j + 1])
+                resident + in_flight + tl.backward_gap[j] + sum(delta[: j + 1]) + ex.backward[j]
             )
-    moments["tail"] = resident + max(tl.tail_peak, acc)
+    moments["tail"] = resident + max(tl.tail_peak + ex.tail, acc)
     moments["optimizer"] = resident + grads + opt_step
     moment = max(moments, key=moments.__getitem__)
     return StepEstimate(moments[moment], moment, moments)
@@ -277,10 +291,11 @@ def lp_caps(
     unsharded = profile.nonblock_grad_nbytes + sum(g.grad_nbytes for g in groups)
     acc = max(grads, unsharded) if accumulation > 1 else 0
     held = sum(tl.held)
-    at_end = max(head_peaks(profile, tl, head)) - held
+    ex = extras(static, tl, unsharded)
+    at_end = max(head_peaks(profile, tl, head)) + max(ex.loss, ex.head) - held
     last = len(tl.held) - 1
     in_flight = max(0, acc - (tl.grads[last] if tl.grads else 0))
-    at_last = tl.backward_start[last] - held
+    at_last = tl.backward_start[last] + ex.backward[last] - held
     return budget - resident - acc - at_end, budget - resident - in_flight - at_last
 
 
