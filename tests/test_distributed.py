@@ -336,49 +336,39 @@ def test_fsdp2_with_adacc_trains_and_matches_fsdp2_without_it(tmp_path):
             assert _rel(r0["losses"], p0["losses"]) <= COMPRESSED_RTOL
 
 
-# Each rank's whole step (~15-40 s a launch; the known misses are slow), measured (every byte its CPU allocator holds, on any thread) against
-# the prediction of the policy it runs. Not yet within 5 %: FSDP2 (backward re-gathers and
-# unsharded gradients are estimated), ZeRO-2 (the timeline keeps every later block's whole
-# gradient, ZeRO-2 frees them once reduced) and ZeRO-3 (parameters stay gathered up to
-# `stage3_max_live_parameters` / `stage3_max_reuse_distance`, uncounted).
+# Each rank's whole step (~30-60 s a launch; all but DDP slow), measured (every byte its CPU
+# allocator holds, on any thread) against the prediction of the policy it runs, at the default
+# size and at a second one (6 layers, hidden 96) so the engine rules (`solver.engines`) are not
+# fitted to one point. ZeRO-2 misses: the profile's plain block under ZeRO-2 holds 893 KiB where
+# the run holds 547 (the profiler's plain run, not the step model), so it over-predicts.
 RANK_PEAK_RTOL = 0.05
-_NOT_YET = {
-    "fsdp2": "FSDP2 backward (re-gather, unsharded gradients) is estimated: ~10 % under",
-    "zero2": "the timeline counts ZeRO-2's reduced gradients as held: ~8 % over",
-    "zero3": "ZeRO-3 keeps parameters gathered (max live / reuse distance): ~25 % under",
-}
+_ZERO2_MISS = "ZeRO-2's profiled plain block holds 346 KiB more than the run: ~8 % over"
+_SECOND_SIZE = ("--layers", "6", "--hidden", "96")
+
+
+def _zero(engine: str, *args: str, miss: str | None = None) -> Any:
+    marks = [pytest.mark.deepspeed, pytest.mark.slow]
+    if miss:
+        marks.append(pytest.mark.xfail(reason=miss))
+    return pytest.param(engine, args, marks=marks, id="-".join([engine, *args[1::2]]))
 
 
 @launched
 @pytest.mark.parametrize(
-    "engine",
+    ("engine", "size"),
     [
-        "ddp",
-        pytest.param(
-            "fsdp2", marks=[pytest.mark.slow, pytest.mark.xfail(reason=_NOT_YET["fsdp2"])]
-        ),
-        pytest.param(
-            "zero2",
-            marks=[
-                pytest.mark.deepspeed,
-                pytest.mark.slow,
-                pytest.mark.xfail(reason=_NOT_YET["zero2"]),
-            ],
-        ),
-        pytest.param(
-            "zero3",
-            marks=[
-                pytest.mark.deepspeed,
-                pytest.mark.slow,
-                pytest.mark.xfail(reason=_NOT_YET["zero3"]),
-            ],
-        ),
+        pytest.param("ddp", (), id="ddp"),
+        pytest.param("fsdp2", (), marks=pytest.mark.slow, id="fsdp2"),
+        pytest.param("fsdp2", _SECOND_SIZE, marks=pytest.mark.slow, id="fsdp2-6-96"),
+        _zero("zero2", miss=_ZERO2_MISS),
+        _zero("zero3"),
+        _zero("zero3", *_SECOND_SIZE),
     ],
 )
-def test_each_ranks_measured_step_peak_is_within_budget_and_its_prediction(engine, tmp_path):
+def test_each_ranks_measured_step_peak_is_within_budget_and_its_prediction(engine, size, tmp_path):
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
-    cmd = _torchrun(SCRIPTS / "rank_peak.py", "--engine", engine, "--out", str(tmp_path))
+    cmd = _torchrun(SCRIPTS / "rank_peak.py", "--engine", engine, "--out", str(tmp_path), *size)
     rc = _run(cmd, tmp_path, timeout=LAUNCH_TIMEOUT)
     reports = _reports(tmp_path, engine)
     assert rc == 0 or engine == "zero3", _tail(tmp_path)  # ZeRO-3 may abort at exit
