@@ -254,10 +254,12 @@ class AdaccSession(StepHooks):
         return policy
 
     def profiling_room(self, batch: Mapping[str, Any]) -> int:
-        """The bytes profiling may add now within the budget (`profiler.room`)."""
+        """The bytes profiling may add now within the budget, less the device reserve learnt
+        from out-of-memory errors (`profiler.room`)."""
         s = self._static()
         tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
-        return profiling_room(self.model, self._budget(), tensors, s.optimizer + s.master_weights)
+        budget = self._budget() - self.oom_reserve_nbytes
+        return profiling_room(self.model, budget, tensors, s.optimizer + s.master_weights)
 
     def _profile(
         self,
