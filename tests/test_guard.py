@@ -80,7 +80,8 @@ def test_a_step_reserving_over_the_budget_replans_its_bucket_with_the_overshoot_
     plan = session.current
     assert plan.reserve_nbytes == first + over - budget + (2 << 20) and not plan.stale
     assert peak + over <= budget + (2 << 20), (peak, over, budget)
-    assert peak < first
+    assert peak <= first  # (equal where the first plan was already full recomputation: on a
+    # loaded CPU keeping ops can price above recomputing them)
     session.step_done(2)
     assert session.events[-1].kind != "guard"  # within the budget now: nothing more
     session.close()

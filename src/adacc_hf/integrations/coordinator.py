@@ -55,6 +55,7 @@ class Coordinator:
     """A single process: it leads, shares with nobody and merges nothing."""
 
     leader: bool = True
+    distributed: bool = False
 
     def share(self, decide: Callable[[], Policy]) -> Policy:
         """The leader's `decide()`, on every rank."""
@@ -71,6 +72,8 @@ class Coordinator:
 
 class DistributedCoordinator(Coordinator):
     """Rank `src` decides; object collectives hand its policy and everyone's statistics around."""
+
+    distributed = True
 
     def __init__(self, src: int = 0) -> None:
         if not is_distributed():

@@ -36,14 +36,22 @@ class ReservedGuard:
         self.replans = 0
 
     def check(
-        self, plan: Plan | None, budget: int | None, device: torch.device, step: int
+        self,
+        plan: Plan | None,
+        budget: int | None,
+        device: torch.device,
+        step: int,
+        agree: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
     ) -> AdaccEvent | None:
         """After step `step` ran `plan`: mark it for re-planning if the allocator reserved more
-        than `budget` (returns the event, or None)."""
+        than `budget` (returns the event, or None). `agree` (a coordinator's: the largest of
+        every rank's) makes every rank take the same decision, so all re-plan in lockstep."""
         if plan is None or budget is None or plan.key is None:
             return None  # a user's fixed policy, or no budget in bytes yet
         reserved = self.read(device)
-        if reserved is None or reserved <= budget:
+        if agree is not None:
+            reserved = agree((-1 if reserved is None else reserved,))[0]
+        if reserved is None or reserved < 0 or reserved <= budget:
             return None
         over = reserved - budget + MARGIN
         plan.reserve_nbytes += over

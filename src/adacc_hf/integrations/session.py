@@ -259,7 +259,9 @@ class AdaccSession(StepHooks):
         s = self._static()
         tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
         budget = self._budget() - self.oom_reserve_nbytes
-        return profiling_room(self.model, budget, tensors, s.optimizer + s.master_weights)
+        room = profiling_room(self.model, budget, tensors, s.optimizer + s.master_weights)
+        # every rank skips the same runs (each run all-gathers parameters under ZeRO-3 / FSDP)
+        return -self.coordinator.agree((-room,))[0]
 
     def _profile(
         self,

@@ -59,7 +59,9 @@ class StepHooks:
         """Call after optimizer step `step`: the reserved-memory guard; on tracking steps,
         re-solve and maybe switch."""
         if self.active and not self.fixed:
-            guarded = self.guard.check(self.current, self.budget_nbytes, self.device, step)
+            guarded = self.guard.check(
+                self.current, self.budget_nbytes, self.device, step, self.coordinator.agree
+            )
             if guarded is not None:
                 self.events.append(guarded)
         tracker, self._tracker = self._tracker, None
@@ -121,6 +123,8 @@ class StepHooks:
         """Before a forward: an out-of-memory error raised since the last check (CUDA's own count,
         or a simulated device's) that nobody reported grows the reserve (a loop or Trainer that
         caught it and goes on: accelerate's ``find_executable_batch_size``, ``auto_find_batch_size``)."""
+        if self.coordinator.distributed:
+            return  # one rank's error alone would take it out of lockstep with the others
         seen = oom_count(self.device)
         if seen > self._ooms_seen and self.out_of_memory():
             logger.warning(
