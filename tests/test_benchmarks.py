@@ -269,6 +269,7 @@ def test_first_gpu_check_fits_eight_minutes_by_its_own_shares():
     assert gpu_first.TIME_LIMIT_S + 60 <= 8 * 60  # a minute for the wheels and the imports
 
 
+@pytest.mark.slow  # 40 s; the first GPU check runs its own sections on the device
 def test_first_gpu_check_smoke_runs_every_section_and_the_budget_holds(tmp_path):
     """``gpu_suite.py --part first --smoke``: the same driver on CPU, tiny; every section runs,
     and on CPU (exact memory) every measured peak is within its budget and its prediction."""

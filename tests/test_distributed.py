@@ -267,6 +267,8 @@ def test_leader_failure_stops_every_rank_instead_of_hanging(tmp_path):
 
 
 @launched
+@pytest.mark.slow  # 30 s; DDP with Adacc stays in the default run through the Trainer recipe
+# test and the per-rank peak test
 def test_ddp_with_adacc_matches_a_single_process_run_with_the_same_global_batch(tmp_path):
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     t0 = time.perf_counter()
