@@ -20,7 +20,6 @@ backward). Predicted tokens/s = ``micro_batch * length / step`` (the bucket's le
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import statistics
 import time
@@ -40,6 +39,7 @@ from ..schema import Profile
 from ..solver import least_memory_policy
 from ..solver.budget import fmt_bytes
 from .config import AdaccConfig, detect_autocast
+from .oom import first_line, release
 from .plans import AdaccEvent
 from .session import AdaccSession
 from .shapes import ShapeKey, padded, row_tokens
@@ -155,17 +155,6 @@ def _time_step_ms(
     return statistics.median(times[1:])
 
 
-def _first_line(message: str) -> str:
-    return (message.strip().splitlines() or ["out of memory"])[0][:160]
-
-
-def _free(device: torch.device) -> None:
-    """After an out-of-memory error: collect what its frames held and return cached blocks."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _time_ends(
     model: nn.Module, planned: list, autocast: torch.dtype | None, device: torch.device
 ) -> list[tuple[int, float, Policy]]:
@@ -182,7 +171,7 @@ def _time_ends(
             ]
         except torch.OutOfMemoryError as e:
             oom = str(e)
-        _free(device)
+        release(device)
         if len(planned) == 1:
             raise torch.OutOfMemoryError(
                 f"{oom}\nadacc auto micro-batch: even a micro-batch of "
@@ -190,7 +179,7 @@ def _time_ends(
             )
         dropped = planned.pop()[0]
         dropped.peak_nbytes = dropped.step_ms = dropped.tokens_per_s = None
-        dropped.note = f"out of memory when timed: {_first_line(oom)}"
+        dropped.note = f"out of memory when timed: {first_line(oom)}"
 
 
 def divisors(n: int) -> list[int]:
@@ -247,8 +236,8 @@ def choose_micro_batch(
         finally:
             session.close()
         if oom is not None:
-            cand.note = f"out of memory while planning: {_first_line(oom)}"
-            _free(device)
+            cand.note = f"out of memory while planning: {first_line(oom)}"
+            release(device)
             break
         static = session.static
         pred = plan.policy.metadata.get("predicted", {})

@@ -20,13 +20,16 @@ there is the run's own (`at_floor`): the caller re-raises it with what to change
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
+
+import torch
 
 from .guard import MARGIN
 from .plans import AdaccEvent
 
-__all__ = ["grown_reserve", "oom_event", "parse_oom"]
+__all__ = ["first_line", "grown_reserve", "oom_event", "parse_oom", "release"]
 
 logger = logging.getLogger("adacc_hf")
 
@@ -67,11 +70,23 @@ def at_floor(reserve: int, budget: int, static: int) -> bool:
     return reserve >= max(0, budget - static)
 
 
+def first_line(message: str) -> str:
+    """An out-of-memory message's first line, short enough for a log line or a note."""
+    return (message.strip().splitlines() or ["out of memory"])[0][:160]
+
+
+def release(device: torch.device) -> None:
+    """After an out-of-memory error has been left: collect what its frames held and return the
+    allocator's cached blocks, so the next attempt starts from what is really alive."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def oom_event(step: int, before: int, after: int, message: str) -> AdaccEvent:
     """The logged event of a reserve grown from `before` to `after` bytes."""
-    first = message.strip().splitlines()[0] if message.strip() else "out of memory"
     msg = (
-        f"step {step}: out of memory ({first[:160]}); every bucket re-planned with "
+        f"step {step}: out of memory ({first_line(message)}); every bucket re-planned with "
         f"{after / 2**20:.1f} MiB kept free below the budget (was {before / 2**20:.1f} MiB)"
     )
     logger.warning("adacc: %s", msg)

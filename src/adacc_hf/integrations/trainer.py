@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ from .card import (
     update_model_card,
     write_artifacts,
 )
+from .oom import release
 from .session import AdaccSession
 
 logger = logging.getLogger("adacc_hf")
@@ -162,9 +162,7 @@ class AdaccTrainer(Trainer):
         before its next forward), and empty the gradients, so the caller re-runs the step's
         micro-batches from the first with their own random states: the gradients are exactly
         those of a run that never failed. Raises where that cannot hold."""
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release(torch.device(self.args.device))
         session = self.adacc_session
         assert session is not None
         if not window.clean:
