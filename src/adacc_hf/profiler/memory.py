@@ -20,10 +20,13 @@ Inside a budget (``room``: the bytes profiling may add above what is alive when 
 run's peak is predicted before it runs: the full-recomputation run from the trainable gradients,
 each block's checkpointed input (``[tokens x hidden]`` per block) and the model's own LM head alone
 (`head`); a plain or pair run as the full-recomputation run's measured peak plus the bytes its
-plain blocks save (the group's traced ops). Where the model's own head does not fit, the timeline
-runs with the chunked head and is moved back to the model's own head by the measured (or
-extrapolated) difference of the two heads (`to_own_head`); a plain or pair run that does not fit
-is skipped and its group estimated from its traced ops (as `estimate` does).
+plain blocks save (the outputs of the group's traced ops autograd saves). Where the model's own
+head does not fit, the timeline runs with the chunked head and is moved back to the model's own
+head by the measured (or extrapolated) difference of the two heads (`to_own_head`); a plain or
+pair run that does not fit is skipped and its group estimated from its traced ops
+(`estimates.skipped_plain`). The backward a plain run holds is not what training holds under
+every engine: ZeRO-2 reduces each gradient to a ``1/n`` partition as it comes, the run keeps them
+all, so its plain run may be skipped where the step with a plain block fits.
 
 Backward runs as ``torch.autograd.grad`` over the trainable parameters: gradients are allocated as
 in training (and so are counted), but nothing accumulates into ``.grad`` and no
@@ -35,8 +38,6 @@ are then estimated from the held bytes (see `estimate`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,31 +50,15 @@ from ..runtime.memory import recorded_forward
 from ..runtime.peak import AllocationTracker
 from ..runtime.trace import autocast_context, devices_of, model_kwargs, train_mode
 from ..schema import GroupPolicy, HeadCost, OpSpec, Timeline, Variant
-from .head import head_peak
-
-
-@dataclass
-class StepMemory:
-    """What one step holds and how high its transients go (bytes)."""
-
-    held: dict[str, int]  # a checkpointed block (full recomputation), mean per group
-    full: dict[str, int]  # a block without checkpointing, per group
-    before: int  # held outside the blocks, created before the first block (embeddings, masks)
-    after: int  # held outside the blocks, created after (final norm, logits, loss)
-    largest_other: int  # the largest single storage held outside the blocks
-    output_nbytes: dict[str, int]  # a block's output: the gradient its backward starts from
-    forward_transient: int = 0  # forward peak above the level held at its end
-    head_transient: int = 0  # loss + head backward, above the level when backward starts
-    block_transient: dict[str, int] = field(default_factory=dict)  # checkpointed block backward
-    plain_transient: dict[str, int] = field(default_factory=dict)  # plain block backward
-    block_fwd_transient: dict[str, int] = field(default_factory=dict)  # checkpointed, forward
-    plain_fwd_transient: dict[str, int] = field(default_factory=dict)  # plain block forward
-    full_interior: dict[str, int] = field(default_factory=dict)  # plain, followed by a plain one
-    plain_casts: dict[str, int] = field(default_factory=dict)  # of `full`: parameter casts
-    tail_transient: int = 0  # backward after the first block (embeddings, tied weights)
-    measured_backward: bool = True
-    timeline: Timeline | None = None  # the full-recomputation step, block by block
-    skipped: list[str] = field(default_factory=list)  # runs predicted not to fit the room
+from .estimates import (
+    StepMemory,
+    cast_nbytes,
+    estimate,
+    plain_nbytes,
+    skipped_plain,
+    timeline_head,
+    to_own_head,
+)
 
 
 def sharded(model: nn.Module) -> bool:
@@ -232,60 +217,6 @@ class _Run:
         return max(0, t.peak(f"start:{path}", end) - t.level(f"start:{path}"))
 
 
-def _trainable_nbytes(base: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
-
-
-def _checkpoint_nbytes(base: nn.Module, groups: list[BlockGroup], batch: dict) -> int:
-    """Every block's checkpointed input under full recomputation: ``[tokens x hidden]`` each, in
-    the parameters' dtype (the residual stream's under autocast too)."""
-    ids = batch.get("input_ids", batch.get("inputs_embeds"))
-    hidden = getattr(base.config, "hidden_size", None) or getattr(base.config, "d_model", 0)
-    if not isinstance(ids, torch.Tensor) or not hidden:
-        return 0
-    tokens = ids.shape[0] * ids.shape[1]
-    size = max(p.element_size() for p in base.parameters())
-    return sum(len(g.modules) for g in groups) * tokens * hidden * size
-
-
-def _plain_nbytes(ops: list[OpSpec], blocks: int) -> int:
-    """What `blocks` plain blocks save (their traced ops), and the largest one once more."""
-    return blocks * sum(o.nbytes for o in ops) + max((o.nbytes for o in ops), default=0)
-
-
-def timeline_head(
-    base: nn.Module,
-    groups: list[BlockGroup],
-    batch: dict,
-    heads: dict[str, HeadCost],
-    room: int | None,
-) -> str:
-    """The head the full-recomputation run uses: the model's own unless `room` is set and the
-    run's predicted peak with it (trainable gradients, checkpointed inputs, the head alone) does
-    not fit while the chunked head was measured."""
-    own = heads.get("full")
-    if room is None or own is None or "chunked" not in heads:
-        return "full"
-    rest = _trainable_nbytes(base) + _checkpoint_nbytes(base, groups, batch)
-    return "full" if rest + head_peak(own) <= room else "chunked"
-
-
-def to_own_head(mem: StepMemory, heads: dict[str, HeadCost], measured: str) -> None:
-    """Move a timeline measured with head `measured` to the model's own head (``"full"``): the
-    inverse of the shift `solver.step.head_peaks` applies for a chosen head."""
-    if measured == "full":
-        return
-    own, was = heads["full"], heads[measured]
-    held = own.held - was.held
-    fwd, bwd = own.forward_peak - was.forward_peak, own.backward_peak - was.backward_peak
-    mem.after += held
-    mem.forward_transient = max(0, mem.forward_transient + fwd - held)
-    mem.head_transient = max(0, mem.head_transient + bwd - held)
-    if mem.timeline is not None:
-        mem.timeline.loss_peak += fwd
-        mem.timeline.head_peak += bwd
-
-
 def measure(
     base: nn.Module,
     batch: dict[str, Any],
@@ -317,13 +248,13 @@ def measure(
         top = run.tracker.peak()
         plain_runs, pair_runs = {}, {}
         for g in groups:
-            if room is not None and top + _plain_nbytes(specs[g.name], 1) > room:
+            if room is not None and top + plain_nbytes(specs[g.name], 1) > room:
                 skipped.append(f"plain {g.name}")
                 continue
             with apply_adacc(base, policy(g.name)):
                 plain_runs[g.name] = _Run(base, kwargs, amp(), backward)
             if len(g.modules) > 1:
-                if room is not None and top + _plain_nbytes(specs[g.name], 2) > room:
+                if room is not None and top + plain_nbytes(specs[g.name], 2) > room:
                     skipped.append(f"pair {g.name}")
                     continue
                 with apply_adacc(base, policy(g.name, "pair")):
@@ -331,20 +262,11 @@ def measure(
     rep = run.report
     held = {g.name: round(sum(rep.blocks[p] for p in g.paths) / len(g.paths)) for g in groups}
 
-    def plain(g: BlockGroup, of: Callable[[Any], int], default: int) -> int:
-        r = plain_runs.get(g.name)
-        return of(r) if r is not None else default
-
     mem = StepMemory(
         held=held,
-        full={  # a skipped plain run: what its traced ops output
-            g.name: plain(
-                g, lambda r, g=g: r.report.blocks[g.paths[0]], sum(o.nbytes for o in specs[g.name])
-            )
-            for g in groups
-        },
+        full={g.name: r.report.blocks[g.paths[0]] for g in groups if (r := plain_runs.get(g.name))},
         plain_casts={
-            g.name: plain(g, lambda r, g=g: r.report.casts[g.paths[0]], 0) for g in groups
+            g.name: r.report.casts[g.paths[0]] for g in groups if (r := plain_runs.get(g.name))
         },
         before=rep.before,
         after=rep.after,
@@ -360,9 +282,13 @@ def measure(
     mem.forward_transient = max(0, t.peak(start, "forward_end") - t.level("forward_end"))
     for g in groups:
         mem.block_fwd_transient[g.name] = max(run.forward_transient(p) for p in g.paths)
-        mem.plain_fwd_transient[g.name] = plain(
-            g, lambda r, g=g: r.forward_transient(g.paths[0]), 0
-        )
+        if g.name in plain_runs:
+            r = plain_runs[g.name]
+            mem.plain_fwd_transient[g.name] = r.forward_transient(g.paths[0])
+            if backward:
+                mem.plain_transient[g.name] = r.transient(g.paths[0])
+        else:
+            skipped_plain(mem, g, specs[g.name], cast_nbytes(g.modules[0], autocast))
         if g.name in pair_runs:  # a plain block next to a plain one: its output may not be held
             mem.full_interior[g.name] = pair_runs[g.name].report.blocks[g.paths[0]]
     if not backward:
@@ -379,24 +305,6 @@ def measure(
             mem.tail_transient = max(0, t.peak(last, "backward_end") - t.level(last))
     for g in groups:
         mem.block_transient[g.name] = max(run.transient(p) for p in g.paths)
-        ops = specs[g.name]
-        guess = max((o.nbytes for o in ops), default=0) + mem.output_nbytes.get(g.name, 0)
-        mem.plain_transient[g.name] = plain(g, lambda r, g=g: r.transient(g.paths[0]), guess)
     mem.timeline = run.timeline(order)
     to_own_head(mem, heads, head)
-    return mem
-
-
-def estimate(mem: StepMemory, specs: dict[str, list[OpSpec]]) -> StepMemory:
-    """Transients where the backward could not run (sharded models): a block's backward
-    materialises what it holds without checkpointing plus a temporary as large as its largest
-    activation and its output's gradient; outside the blocks, the largest storage (the logits)
-    twice (it and its gradient)."""
-    for name, ops in specs.items():
-        largest = max((o.nbytes for o in ops), default=0)
-        out = mem.output_nbytes.get(name, 0)
-        mem.block_transient[name] = max(0, mem.full[name] - mem.held[name]) + largest + out
-        mem.plain_transient[name] = largest + out
-    mem.head_transient = 2 * mem.largest_other
-    mem.tail_transient = mem.largest_other
     return mem
