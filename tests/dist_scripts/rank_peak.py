@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 import adacc_hf
 from adacc_hf import assets
 from adacc_hf.integrations.sharding import sharding_from_model
-from adacc_hf.solver import predict
+from adacc_hf.solver import estimate_static_memory, predict
 
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")
 
@@ -190,6 +190,9 @@ def run(engine: str, args: argparse.Namespace) -> None:
         train_step(step_model, batch, opt, meter)
     pred = session.policy.metadata["predicted"]
     static = session.static
+    # The plan fits the worst rank (ZeRO-2: the last, whose gradient partition comes first); this
+    # rank's own prediction runs the engine rules for it.
+    own = estimate_static_memory(module, **session.config.static_options(), rank=r)
     report = {
         "engine": engine,
         "rank": r,
@@ -198,6 +201,7 @@ def run(engine: str, args: argparse.Namespace) -> None:
         "budget_nbytes": budget,
         "predicted_nbytes": pred["peak_nbytes"],
         "predicted_moment": pred["peak_moment"],
+        "predicted_own_nbytes": predict(session.profile, session.policy, own).peak_nbytes,
         "measured_nbytes": meter.peak_nbytes,
         "measured_start_nbytes": meter.start_nbytes,
         "measured_phases": meter.phases,

@@ -25,6 +25,7 @@ STATIC_OPTIONS = (
     "master_weights",
     "fp32_embeddings",
     "ddp",
+    "zero_buckets",
 )
 
 
@@ -61,6 +62,10 @@ class AdaccConfig:
     offload_optimizer: bool = False
     master_weights: bool = False  # fp32 copies of 16-bit parameters (DeepSpeed mixed precision)
     ddp: bool = False  # replicated by DDP: its gradient buckets count (`solver.static`)
+    # ZeRO-2: gradient elements its reduce buckets hold through backward (`reduce_bucket_size`,
+    # twice with `overlap_comm`; 0 without `contiguous_gradients`); None: "auto" (hidden_size**2,
+    # counted twice)
+    zero_buckets: int | None = None
     profile_repeats: int = 3
     # Fraction of the budget above static memory the solver leaves free for batch-to-batch
     # variation (int4_outlier sizes vary by block and batch) and fragmentation.

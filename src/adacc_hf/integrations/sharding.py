@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 __all__ = ["sharding_from_accelerate", "sharding_from_model", "sharding_from_trainer"]
 
+DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default `reduce_bucket_size` (elements)
+
 
 def _zero_fields(ds_config: dict[str, Any], n: int) -> dict[str, Any]:
     """DeepSpeed: the ZeRO stage, optimizer offload, and fp32 master weights when it trains in
@@ -29,13 +31,40 @@ def _zero_fields(ds_config: dict[str, Any], n: int) -> dict[str, Any]:
         str((ds_config.get(k) or {}).get("enabled", False)).lower() == "true"
         for k in ("bf16", "fp16")
     )
-    return {
+    fields = {
         "zero_stage": stage,
         "fsdp": False,
         "world_size": n,
         "offload_optimizer": device in ("cpu", "nvme"),
         "master_weights": half or stage in (1, 2),
     }
+    if stage == 2:
+        fields["zero_buckets"] = zero_buckets(
+            _number(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)),
+            _on(zero.get("overlap_comm", False)),
+            _on(zero.get("contiguous_gradients", True)),
+        )
+    return fields
+
+
+def _number(value: Any) -> int | None:
+    """A DeepSpeed size (``5e8``, ``"5e8"``, 500000000); None for "auto" or anything else."""
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _on(value: Any) -> bool:
+    return str(value).lower() == "true"
+
+
+def zero_buckets(size: int | None, overlap_comm: bool, contiguous: bool) -> int | None:
+    """Gradient elements ZeRO-2's reduce buckets hold through backward: `size` once, twice with
+    `overlap_comm` (double buffering), none without `contiguous` gradients; None: size unknown."""
+    if not contiguous:
+        return 0
+    return None if size is None else size * (2 if overlap_comm else 1)
 
 
 def _fsdp_fields(reshard: Any, offload: bool, n: int) -> dict[str, Any]:
@@ -115,6 +144,12 @@ def sharding_from_model(model: nn.Module) -> dict[str, Any]:
         }
         if fields["zero_stage"] in (1, 2):
             fields["master_weights"] = True  # ZeRO-1/2 clone an fp32 partition of the parameters
+        if fields["zero_stage"] == 2:
+            fields["zero_buckets"] = zero_buckets(
+                int(model.zero_reduce_bucket_size()),
+                bool(model.zero_overlap_comm()),
+                bool(model.zero_contiguous_gradients()),
+            )
         return fields
     params = list(model.parameters())
     if any(hasattr(p, "ds_id") for p in params):

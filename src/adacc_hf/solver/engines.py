@@ -30,10 +30,18 @@ block's gradients are copied into the reduce bucket and scattered into the flat 
 (``grad_partitions_flat_buffer``, counted in ``StaticMemory.comm``): the unsharded gradients alive
 are the running block's only.
 
-DeepSpeed ZeRO-2 (``stage_1_and_2.py``): each gradient is copied into the reduce bucket
-(``contiguous_gradients``) and reduced; a rank keeps its partition (``1/n``, in
-``StaticMemory.grads``) and frees the rest: gradients of blocks already reduced weigh ``1/n`` of
-what a single process holds.
+DeepSpeed ZeRO-2 (``stage_1_and_2.py``): at the first gradient of backward it allocates its
+reduce buckets (``reduce_bucket_size`` elements, twice with ``overlap_comm``, when
+``contiguous_gradients``), held to the step's end; each gradient is copied into a bucket (its own
+storage freed), or, larger than a bucket, reduced alone at the next flush; at its first flush of a
+gradient it owns, a rank allocates its whole gradient partition (``1/n`` of every gradient,
+``grads_in_partition``) and copies its share in; the rest is freed. The last rank owns the last
+parameters, reduced first: its partition is there from the head's backward on (after the logits'
+gradient), so for the worst rank (what a plan every rank shares must fit) every block's backward
+holds the buckets and the whole partition in place of the gradients of the blocks after it; rank
+r's partition comes at the backward of the last block it owns a parameter of (`_last_owned`). The
+head holds the buckets; the embeddings' backward (after the first block) the partition, the
+buckets and the gradients outside the blocks.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ class EngineMemory:
     root: int = 0  # parameters outside the blocks, unsharded (bytes)
     blocks: tuple[int, ...] = ()  # each block's parameters unsharded, in forward order
     kept: bool = False  # ZeRO-3: blocks stay gathered from their forward to their backward
+    buckets: int = 0  # ZeRO-2: reduce buckets (bytes), from backward's first gradient on
+    partition: int = 0  # ZeRO-2: a rank's whole gradient partition (bytes)
+    owned: int = -1  # ZeRO-2: the partition is there from this block's backward on (-1: the tail)
 
 
 @dataclass
@@ -81,10 +92,19 @@ def _unsharded_nbytes(params: list[nn.Parameter]) -> int:
 
 
 def engine_memory(
-    model: nn.Module, *, fsdp: bool, zero_stage: int, world_size: int
+    model: nn.Module,
+    *,
+    fsdp: bool,
+    zero_stage: int,
+    world_size: int,
+    buckets: int | None = None,
+    rank: int | None = None,
 ) -> EngineMemory | None:
     """The engine rules' inputs read off `model` (None: not sharded over several ranks, or a model
-    whose blocks the adapters do not find)."""
+    whose blocks the adapters do not find). `buckets`: ZeRO-2's reduce-bucket elements (None:
+    "auto", ``hidden_size**2`` as the HF Trainer and Accelerate fill it in, counted twice as with
+    ``overlap_comm``). `rank`: ZeRO-2's rules for that rank (None: the worst one, what a plan
+    shared by every rank must fit)."""
     if world_size < 2 or not (fsdp or zero_stage >= 2):
         return None
     from ..adapters import get_adapter
@@ -100,11 +120,41 @@ def engine_memory(
     if fsdp:
         return EngineMemory("fsdp2", world_size, root, blocks)
     if zero_stage == 2:
-        return EngineMemory("zero2", world_size, root, blocks)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        size = trainable[0].element_size() if trainable else 4
+        if buckets is None:
+            hidden = int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0)
+            buckets = 2 * hidden * hidden
+        grads = _unsharded_nbytes(trainable)
+        owned = len(blocks) - 1 if rank is None else _last_owned(model, found, rank, world_size)
+        return EngineMemory(
+            "zero2", world_size, root, blocks, buckets=buckets * size,
+            partition=-(-grads // world_size), owned=owned,
+        )  # fmt: skip
     size = next(model.parameters()).element_size()
     # The first block's reuse is the farthest: every later block twice, and the rest, in between.
     walked = (2 * sum(blocks[1:]) + root) // size
     return EngineMemory("zero3", world_size, root, blocks, walked < _reuse_distance())
+
+
+def _last_owned(model: nn.Module, found: list, rank: int, world_size: int) -> int:
+    """ZeRO-2: the last block (forward order) with a trainable parameter in `rank`'s share of the
+    flat gradients (parameters in `model.parameters()` order, split in `world_size` equal parts;
+    DeepSpeed's, for one parameter group); the last block where `rank` owns a parameter after
+    every block's (the final norm, an untied LM head: reduced first); -1 where it owns only the
+    embeddings (reduced after the first block)."""
+    block_of = {id(p): j for j, (_, b) in enumerate(found) for p in b.parameters()}
+    trainable = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    share = -(-sum(p.numel() for p in trainable) // world_size)
+    lo, hi, at, owned, seen_block = rank * share, (rank + 1) * share, 0, -1, False
+    for p in trainable:
+        j = block_of.get(id(p))
+        seen_block |= j is not None
+        if at < hi and at + p.numel() > lo:  # p overlaps the rank's share
+            after_blocks = j is None and seen_block
+            owned = max(owned, len(found) - 1 if after_blocks else (-1 if j is None else j))
+        at += p.numel()
+    return owned
 
 
 def _reuse_distance() -> int:
@@ -157,10 +207,13 @@ def engine_extras(
             backward=[gathered[j] + s[j] - later[j] for j in range(n_blocks)],
             tail=r - sum(s),
         )
-    # zero2: reduced gradients keep a 1/n partition
+    # zero2: buckets, and the whole partition (once allocated) in place of the reduced gradients
+    b, p = engine.buckets, engine.partition
+    g = grads or [0] * n_blocks
     return EngineExtras(
         forward=[0] * n_blocks,
         forward_floor=[0] * n_blocks,
-        backward=[-(g * (n - 1) // n) for g in grads] if grads else [0] * n_blocks,
-        tail=-(unsharded * (n - 1) // n),
+        head=b,
+        backward=[b + (p if j <= engine.owned else 0) - g[j] for j in range(n_blocks)],
+        tail=b + p - max(0, unsharded - r),
     )

@@ -31,7 +31,10 @@ path computes the square roots of every parameter of a group at once: 1x the tra
 
 Sharding over ``world_size``: ZeRO-1 divides optimizer states and master weights, ZeRO-2 also
 gradients, ZeRO-3 and FSDP (full shard) also parameters. ``offload_optimizer`` keeps optimizer
-states and master weights off the device.
+states and master weights off the device. DeepSpeed's ZeRO-1/2 step runs on one flat fp32
+partition (``single_partition_of_fp32_groups``) with one flat fp32 gradient (a copy of the reduced
+partition, once more in fp32 when gradients are 16-bit): the multiples above apply to that
+partition (``stage_1_and_2.py``, measured per rank).
 
 Communication buffers (``comm``, resident from the engine's construction on, measured per rank in
 ``tests/test_distributed.py``): DDP (``ddp=True``, ``gradient_as_bucket_view=False`` as Accelerate
@@ -187,19 +190,25 @@ def _unique_params(model: nn.Module) -> list[nn.Parameter]:
 
 #: optimizer.step() temporaries on CPU, in units of the largest trainable parameter (see above).
 _STEP_LARGEST_CPU = {"param": 2.5, "fp32": 3.5, "8bit": 6.5, "factored": 2.5}
+#: The same for one flat tensor (DeepSpeed ZeRO-1/2's partition): AdamW's ``sqrt`` and division,
+#: with no previous parameter's left alive beside them (measured per rank: exactly 2x).
+_STEP_FLAT_CPU = {"param": 2.0}
 
 
 #: Scalars an optimizer step allocates whatever the model (step counts, bias corrections).
 _STEP_SCALARS = 1024
 
 
-def _step_nbytes(name: str, opt: _OptimizerModel, largest: int, trainable: int, cuda: bool) -> int:
-    return _STEP_SCALARS + _step_temporaries(name, opt, largest, trainable, cuda)
+def _step_nbytes(
+    name: str, opt: _OptimizerModel, largest: int, trainable: int, cuda: bool, flat: bool = False
+) -> int:
+    return _STEP_SCALARS + _step_temporaries(name, opt, largest, trainable, cuda, flat)
 
 
 def _step_temporaries(
-    name: str, opt: _OptimizerModel, largest: int, trainable: int, cuda: bool
+    name: str, opt: _OptimizerModel, largest: int, trainable: int, cuda: bool, flat: bool = False
 ) -> int:
+    """Temporaries of one optimizer step; `flat`: the trainable parameters are one tensor."""
     n = name.lower()
     if n in ("sgd", "sgd_momentum"):
         return trainable if cuda else largest  # with weight decay: grad + wd * param
@@ -207,7 +216,8 @@ def _step_temporaries(
         return 0
     if cuda:
         return largest if opt.kind in ("8bit", "fp32", "factored") else trainable
-    return round(_STEP_LARGEST_CPU[opt.kind] * largest)
+    multiple = _STEP_FLAT_CPU.get(opt.kind) if flat else None
+    return round((multiple or _STEP_LARGEST_CPU[opt.kind]) * largest)
 
 
 def _quantised(p: torch.Tensor, opt: _OptimizerModel, fp32: set[int]) -> bool:
@@ -249,10 +259,14 @@ def estimate_static_memory(
     offload_optimizer: bool = False,
     fp32_embeddings: bool = False,
     ddp: bool = False,
+    zero_buckets: int | None = None,
+    rank: int | None = None,
 ) -> StaticMemory:
     """Predicted static bytes per device of training ``model`` (rules in the module docstring).
     ``fp32_embeddings``: 8-bit optimizers keep embedding states in fp32, as under the HF Trainer.
-    ``ddp``: replicated over ``world_size`` ranks by DDP, with its gradient buckets."""
+    ``ddp``: replicated over ``world_size`` ranks by DDP, with its gradient buckets.
+    ``zero_buckets``: ZeRO-2's reduce-bucket elements, ``rank``: that rank's engine rules (None:
+    the worst rank's; `engines.engine_memory`)."""
     opt = _optimizer_model(optimizer)
     if mixed_precision not in MIXED_PRECISION:
         raise BudgetError(
@@ -306,9 +320,13 @@ def estimate_static_memory(
     if offload_optimizer:
         notes.append("optimizer offloaded")
     cuda = any(p.device.type == "cuda" for p in model.parameters())
-    step = _step_nbytes(optimizer, opt, largest, grads, cuda)
     states, master = shard(states, stage >= 1), shard(master, stage >= 1)
-    step = shard(step, stage >= 1)
+    if zero_stage in (1, 2):  # DeepSpeed steps one flat fp32 partition, from a flat fp32 gradient
+        part = shard(4 * trainable, True)
+        fp32_copy = part if grads != 4 * trainable else 0  # of 16-bit gradients
+        step = _step_nbytes(optimizer, opt, part, part, cuda, flat=True) + fp32_copy
+    else:
+        step = shard(_step_nbytes(optimizer, opt, largest, grads, cuda), stage >= 1)
     if offload_optimizer:
         states = master = step = 0
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -327,7 +345,14 @@ def estimate_static_memory(
         buffers=buffers,
         optimizer_step=step,
         comm=comm,
-        engine=engine_memory(model, fsdp=fsdp, zero_stage=zero_stage, world_size=world_size),
+        engine=engine_memory(
+            model,
+            fsdp=fsdp,
+            zero_stage=zero_stage,
+            world_size=world_size,
+            buckets=zero_buckets,
+            rank=rank,
+        ),
     )
 
 
