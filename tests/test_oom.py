@@ -105,6 +105,7 @@ def test_a_plan_that_under_predicts_is_replanned_and_the_step_rerun_exactly(tmp_
     assert trainer.state.global_step == 3
     assert any("adacc/event_oom" in e for e in trainer.state.log_history)
     assert "out of memory" in caplog.text and "re-planned" in caplog.text
+    assert "recomputed" not in caplog.text  # a forward cut short builds no slot table
     assert losses == ref_losses
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -128,7 +129,9 @@ def test_the_plain_trainer_with_auto_find_batch_size_replans_after_an_error(tmp_
         )
     assert dev.ooms >= 1
     assert trainer.state.global_step == 3 and len(losses) == 3
-    assert trainer._train_batch_size < 2 or "re-planned" in caplog.text
+    assert trainer._train_batch_size == 2, "accelerate halves the batch once"
+    assert "re-planned" in caplog.text
+    assert "recomputed" not in caplog.text  # a forward cut short builds no slot table
 
 
 @pytest.mark.slow
@@ -178,10 +181,13 @@ def test_a_custom_loop_that_catches_the_error_is_replanned_at_its_next_forward(c
     from adacc_hf.solver import budget_between
 
     model = assets.tiny_model("llama", seed=0, num_hidden_layers=4)
-    batch = assets.tiny_batch("llama", model, batch_size=4, seq_len=32)
+    # Activations large beside the static bytes, and a budget where nothing is checkpointed
+    # (no timing-dependent plan): a plan with recomputation fits the device 10 % over. (At 32
+    # tokens and 0.8 of the range even full recomputation 10 % over did not fit the capacity.)
+    batch = assets.tiny_batch("llama", model, batch_size=4, seq_len=128)
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     static = estimate_static_memory(model, optimizer="adamw_torch")
-    budget = budget_between(profile_model(model, batch, repeats=1), static, 0.8)
+    budget = budget_between(profile_model(model, batch, repeats=1), static, 1.0)
     session = prepare(
         model, budget, batch, codecs=[], adaptive=False, optimizer="adamw_torch", profile_repeats=1
     )

@@ -96,15 +96,19 @@ class _KeepMode(_FastMode):
 
     def __exit__(self, *exc):
         res = super().__exit__(*exc)
-        for p in list(self.pending.values()):
-            self._store(*p)
+        interrupted = exc[0] is not None  # the forward raised (out of memory): it is not re-run
+        if not interrupted:
+            for p in list(self.pending.values()):
+                self._store(*p)
         self.pending.clear()
-        self._finish()
+        if interrupted:
+            self.run.drop()  # keeps nothing, builds no table, and has nothing to warn about
+        self._finish(interrupted)
         return res
 
-    def _finish(self) -> None:
+    def _finish(self, interrupted: bool) -> None:
         run = self.run
-        if not run.broken and self.pos != len(self.slots):
+        if not interrupted and not run.broken and self.pos != len(self.slots):
             run.misaligned(f"{self.pos} keyed ops ran where the slot table has {len(self.slots)}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -189,9 +193,11 @@ class _BuildMode(_KeepMode):
         self.keyer = OpKeyer(RegionTracker(self.run.rt.block))
         return super().__enter__()
 
-    def _finish(self) -> None:
+    def _finish(self, interrupted: bool) -> None:
         run, rt = self.run, self.run.rt
         self.keyer.regions.remove()
+        if interrupted:
+            return
         table = build_table(rt.specs, self.seen, rt.actions, rt.codec)
         kept = {s.key for s in table.slots if s.action is not None}
         run.drop(lambda e: e.slot.key in kept)  # misaligned regions keep nothing
