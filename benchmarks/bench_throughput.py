@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.harness import env, report
 from benchmarks.harness.models import PRESETS, find_specs
 from benchmarks.harness.plots import throughput_plots
-from benchmarks.harness.strategies import MAIN, check_names
+from benchmarks.harness.strategies import MAIN, SEARCHED, check_names
 from benchmarks.harness.throughput import bench_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
     p.add_argument("--models", nargs="*", default=None, help="model names within the preset")
-    p.add_argument("--strategies", nargs="*", default=list(MAIN))
+    p.add_argument("--strategies", nargs="*", default=[*MAIN, *SEARCHED])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=None)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     env.set_threads(device, args.threads)
     allocator = env.cache_freed_memory(device, not args.system_allocator)
-    check_names(args.strategies)
+    check_names(args.strategies, (*MAIN, *SEARCHED))
     specs = find_specs(args.preset, args.models)
     Path(args.results).mkdir(parents=True, exist_ok=True)
     skip = ("results", "out", "report")

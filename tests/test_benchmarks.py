@@ -89,6 +89,37 @@ def test_tiny_cpu_suite_writes_throughput_memory_and_max_batch(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
 
 
+@pytest.mark.slow  # 40-150 s on the loaded shared machine: ~15 measured steps
+def test_every_n_layers_searched_is_the_largest_k_whose_measured_peak_fits():
+    """``hf_every_n`` runs as the ``every_n_layers=k`` a user would tune to: against every k's
+    measured step peak (brute force), the largest k that fits the budget, and ``hf_full`` when
+    none does."""
+    import argparse
+
+    from benchmarks.harness.env import Deadline
+    from benchmarks.harness.models import PRESETS
+    from benchmarks.harness.throughput import Run, resolve_searched
+
+    spec = next(s for s in PRESETS["cpu"] if s.name == "gpt2-cpu")
+    model = assets.tiny_model("gpt2", seed=0, n_layer=4, n_embd=64, n_head=4, vocab_size=256)
+    opt = torch.optim.AdamW(model.parameters())
+    static = estimate_static_memory(model, optimizer="adamw_torch")
+    run = Run(spec, model, static, opt, argparse.Namespace(), Deadline(None))
+    batch = assets.tiny_batch("gpt2", model, batch_size=2, seq_len=64)
+
+    def peak(name: str) -> int:
+        s = S.prepare(name, model, batch, budget_nbytes=None, static_nbytes=static).prepare()
+        return run.memory(s, batch)["peak_nbytes"]
+
+    peaks = {k: peak(f"hf_every_{k}") for k in range(2, 5)}
+    full = peak("hf_full")
+    assert max(peaks.values()) > full  # keeping layers whole costs memory
+    for budget in sorted({full, *peaks.values()}):
+        fits = [k for k, p in peaks.items() if p <= budget]
+        want = f"hf_every_{max(fits)}" if fits else "hf_full"
+        assert resolve_searched(run, "hf_every_n", batch, budget) == want, (budget, peaks)
+
+
 _FAULTS = """
 import resource, sys, torch
 sys.path.insert(0, sys.argv[2])

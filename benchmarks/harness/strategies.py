@@ -126,24 +126,37 @@ def check_names(names: list[str], known: Mapping[str, Any] | tuple[str, ...] = M
 
 
 EVERY_N_PREFIX = "hf_every_"
+OFFLOAD_EVERY_N_PREFIX = "hf_offload_every_"
+#: transformers' ``every_n_layers`` with the largest ``k`` (fewest checkpointed layers, fastest)
+#: whose measured step peak fits the budget, searched per budget and micro-batch
+#: (`throughput.resolve_searched`): what a user tuning the one-line knob would pick. Without and
+#: with ``offload=True``. Each resolves to ``hf_every_<k>`` / ``hf_offload_every_<k>``, or to
+#: ``hf_full`` / ``hf_offload`` when no ``k >= 2`` fits.
+SEARCHED: dict[str, tuple[str, str]] = {
+    "hf_every_n": (EVERY_N_PREFIX, "hf_full"),
+    "hf_offload_every_n": (OFFLOAD_EVERY_N_PREFIX, "hf_offload"),
+}
 
 
-def every_n(k: int) -> Strategy:
+def every_n(k: int, offload: bool = False) -> Strategy:
     """transformers' ``every_n_layers=k``: checkpoint every k-th layer, keep the others whole
-    (named ``hf_every_<k>``)."""
+    (named ``hf_every_<k>``; ``offload``: the checkpointed layers' inputs on the CPU,
+    ``hf_offload_every_<k>``)."""
     if k < 2:
         raise ValueError(f"every_n_layers needs k >= 2 (k = 1 is hf_full), got {k}")
-    label = f"HF checkpointing every {k} layers"
-    return Strategy(f"{EVERY_N_PREFIX}{k}", label, partial(HFCheckpointing, every_n=k))
+    prefix = OFFLOAD_EVERY_N_PREFIX if offload else EVERY_N_PREFIX
+    label = f"HF checkpointing{' + CPU offload' if offload else ''} every {k} layers"
+    return Strategy(f"{prefix}{k}", label, partial(HFCheckpointing, every_n=k, offload=offload))
 
 
 def lookup(name: str) -> Strategy:
-    """The registry's strategy `name`, or ``hf_every_<k>``."""
+    """The registry's strategy `name`, ``hf_every_<k>`` or ``hf_offload_every_<k>``."""
     if name in REGISTRY:
         return REGISTRY[name]
-    if name.startswith(EVERY_N_PREFIX) and name[len(EVERY_N_PREFIX) :].isdigit():
-        return every_n(int(name[len(EVERY_N_PREFIX) :]))
-    known = ", ".join([*REGISTRY, f"{EVERY_N_PREFIX}<k>"])
+    for prefix, offload in ((EVERY_N_PREFIX, False), (OFFLOAD_EVERY_N_PREFIX, True)):
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            return every_n(int(name[len(prefix) :]), offload)
+    known = ", ".join([*REGISTRY, f"{EVERY_N_PREFIX}<k>", f"{OFFLOAD_EVERY_N_PREFIX}<k>"])
     raise ValueError(f"unknown strategy {name!r}; known: {known}")
 
 

@@ -37,7 +37,7 @@ from .report import MiB, jsonable, main_row, print_rows
 from .search import largest
 from .stats import added_times, vs_best_fitting
 from .steps import median, step_stats, time_interleaved
-from .strategies import MAIN, build, prepare
+from .strategies import MAIN, SEARCHED, build, prepare
 
 
 @dataclass
@@ -78,14 +78,44 @@ def solve_ms(profile, budget: int, static: StaticMemory, n: int = 5) -> float | 
         return None
 
 
+def num_layers(model: torch.nn.Module) -> int:
+    from adacc_hf.adapters import get_adapter
+
+    return len(get_adapter(model).find_blocks(model))
+
+
+def resolve_searched(run: Run, name: str, batch: dict[str, Any], budget: int) -> str:
+    """A `strategies.SEARCHED` name as the concrete strategy a user tuning ``every_n_layers``
+    would pick: the largest ``k`` (fewest checkpointed layers) whose measured step peak fits
+    `budget`, by bisection (the peak grows with ``k``); its fallback (``hf_full`` /
+    ``hf_offload``) when no ``k >= 2`` fits."""
+    prefix, fallback = SEARCHED[name]
+
+    def ok(k: int) -> bool:
+        s = prepare(
+            f"{prefix}{k}", run.model, batch, budget_nbytes=budget, static_nbytes=run.static
+        )
+        return run.fits(run.memory(s.prepare(), batch), budget)
+
+    lo, hi = 1, num_layers(run.model)  # k = lo fits (the fallback); find the largest that does
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return fallback if lo < 2 else f"{prefix}{lo}"
+
+
 def bench_batch(
     run: Run, names: list[str], bs: int, budget: int, *, baseline: str = "hf_full"
 ) -> tuple[dict[str, Any], dict[str, Prepared]]:
     """Memory and step time of `names` at micro-batch `bs` under `budget`: the row and the
-    prepared strategies."""
+    prepared strategies. A `strategies.SEARCHED` name runs as what `resolve_searched` picks
+    (keyed by that pick; its row says which name it was searched for)."""
     batch = run.batch(bs)
     a = run.args
     t0 = time.perf_counter()
+    searched = {resolve_searched(run, n, batch, budget): n for n in names if n in SEARCHED}
+    names = [n for n in names if n not in SEARCHED]
+    names += [n for n in searched if n not in names]
     ready = build(
         names,
         run.model,
@@ -98,6 +128,8 @@ def bench_batch(
     rows: dict[str, dict[str, Any]] = {}
     for n, s in ready.items():
         rows[n] = {"label": s.label, "info": jsonable(s.info)}
+        if n in searched:
+            rows[n]["searched_as"] = searched[n]
         if s.fits_budget:
             rows[n].update(run.memory(s, batch))
             rows[n]["fits"] = run.fits(rows[n], budget)
@@ -218,7 +250,7 @@ def bench_model(
     est = estimate_static_memory(model, optimizer="adamw_torch_fused" if fused else "adamw_torch")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, **({"fused": True} if fused else {}))
     run = Run(spec, model, est, opt, args, deadline)
-    names = [n for n in args.strategies if n in MAIN]
+    names = [n for n in args.strategies if n in MAIN or n in SEARCHED]
     res: dict[str, Any] = {
         "seq_len": spec.seq_len,
         "config": spec.config,
@@ -336,6 +368,9 @@ def _max_batches(run: Run, res: dict[str, Any], names: list[str], save: Callable
         if r.get("peak_nbytes") is not None or r.get("oom") or r.get("infeasible")
     )
     same = {"adacc_adaptive": ("adacc", "same first policy")}
+    # checkpointing every k-th layer holds more than every layer: the largest batch is every one's
+    note = "same as {}: every k >= 2 holds more than checkpointing every layer"
+    same |= {n: (fallback, note.format(fallback)) for n, (_, fallback) in SEARCHED.items()}
     if not run.cuda:
         note = "same as hf_full: on a CPU there is no device memory to offload from"
         same["hf_offload"] = ("hf_full", note)
@@ -367,8 +402,9 @@ def _max_batches_at(
         if run.deadline.passed():
             res["truncated"] = f"time limit reached in the max-batch search before {n}"
             break
-        if n in same and same[n][0] in mb:
-            mb[n] = {**mb[same[n][0]], "note": same[n][1]}
+        if n in same and (same[n][0] in mb or n in SEARCHED):
+            src = same[n][0]
+            mb[n] = {**(mb.get(src) or max_batch(run, src, budget, rules)), "note": same[n][1]}
             continue
         mb[n] = max_batch(run, n, budget, rules)
         print(
