@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import statistics
@@ -23,11 +24,14 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# bitsandbytes (imported by transformers) warns on CPU that its optional `kernels` hub package is
+# missing; the demo never runs 4-bit matmuls, so its output starts with adacc's own lines.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-import torch
-from transformers import Trainer
+import torch  # noqa: E402
+from transformers import Trainer  # noqa: E402
 
-from adacc_hf import (
+from adacc_hf import (  # noqa: E402
     AdaccTrainingArguments,
     Policy,
     apply_adacc,
@@ -36,10 +40,10 @@ from adacc_hf import (
     profile_model,
     uniform_policy,
 )
-from adacc_hf.assets import load_smollm2, shakespeare_splits
-from adacc_hf.integrations.shapes import key_text, padded
-from adacc_hf.policy.display import describe
-from adacc_hf.solver import budget_between
+from adacc_hf.assets import load_smollm2, shakespeare_splits  # noqa: E402
+from adacc_hf.integrations.shapes import key_text, padded  # noqa: E402
+from adacc_hf.policy.display import describe  # noqa: E402
+from adacc_hf.solver import budget_between  # noqa: E402
 
 
 def gib(n: float) -> str:
