@@ -100,7 +100,8 @@ def deterministic_device(request):
         torch.use_deterministic_algorithms(before)
 
 
-# ---- the families report (README's table): ADACC_FAMILY_REPORT=path.json pytest tests/test_families.py
+# ---- the families report, rendered into docs/families.md by benchmarks/families_table.py:
+#      ADACC_FAMILY_REPORT=path.json pytest tests/test_families.py
 _FAMILY_TESTS = "test_families.py::"
 _family_results: dict[str, dict] = {}
 
