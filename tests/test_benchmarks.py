@@ -269,6 +269,35 @@ def test_every_strategy_leaves_the_model_unpatched_and_its_gradients_unchanged(f
         assert torch.equal(after[k], before_grads[k]), k
 
 
+@pytest.mark.slow  # 30-120 s: two inductor compiles on the shared CPU
+def test_the_compiled_baseline_trains_like_eager_and_leaves_the_model_unpatched():
+    """``compile_budget_<f>``: the model's forward compiled under the partitioner's knob, its
+    gradients those of eager (to float tolerance: inductor fuses), the model as it was after."""
+    model = assets.tiny_model("gpt2", seed=0)
+    batch = assets.tiny_batch("gpt2", model, batch_size=2, seq_len=16)
+    static = estimate_static_memory(model)
+    model.eval()  # no dropout: the compiled graph draws its own random numbers
+    state = patch_state(model)
+
+    def grads() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        model(**batch).loss.backward()
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    eager = grads()
+    for f in (1.0, 0.0):
+        with S.prepare(f"compile_budget_{f:g}", model, batch, static_nbytes=static) as s:
+            assert s.label.startswith("torch.compile")
+            got = grads()
+        assert patch_state(model) == state
+        assert got.keys() == eager.keys()
+        for k in got:
+            torch.testing.assert_close(got[k], eager[k], rtol=1e-4, atol=1e-5)
+
+
 def test_leaving_a_strategy_detects_a_patch_left_behind():
     model = assets.tiny_model("gpt2")
     batch = assets.tiny_batch("gpt2", model)

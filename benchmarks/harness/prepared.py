@@ -10,7 +10,8 @@ from before. The kinds:
 * `HFCheckpointing`: transformers' own activation checkpointing (optionally with CPU offload);
 * `RulePolicy`: a fixed per-op policy from a rule (``adacc_hf.uniform_policy`` & co.);
 * `SolvedPolicy`: Adacc's MILP policy for the budget (static);
-* `EvolvingPolicy`: the same, then Adacc's evolution (tracking steps, re-solve, switch).
+* `EvolvingPolicy`: the same, then Adacc's evolution (tracking steps, re-solve, switch);
+* `CompiledBudget`: ``torch.compile`` with the partitioner's ``activation_memory_budget``.
 """
 
 from __future__ import annotations
@@ -149,6 +150,39 @@ class HFCheckpointing(Prepared):
 
     def uninstall(self) -> None:
         hf_disable(self.model)
+
+
+class CompiledBudget(Prepared):
+    """The model's forward under ``torch.compile``, its saved activations chosen by AOTAutograd's
+    partitioner under ``torch._functorch.config.activation_memory_budget = fraction`` (1: keep
+    what the compiled graph needs, 0: recompute all it can). The knob is read when a graph
+    compiles: the first step after installing a fraction other than the last one compiled starts
+    from an empty compile cache (`torch._dynamo.reset`), so time its steps after a warm-up."""
+
+    _compiled_fraction: float | None = None  # of the cache (process-wide, as dynamo's)
+
+    def __init__(self, *args: Any, fraction: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fraction = fraction
+        self._config: tuple[Any, float] | None = None
+
+    def install(self) -> None:
+        import torch
+        import torch._functorch.config as functorch_config
+
+        if CompiledBudget._compiled_fraction != self.fraction:
+            torch._dynamo.reset()
+            CompiledBudget._compiled_fraction = self.fraction
+        self._config = (functorch_config, functorch_config.activation_memory_budget)
+        functorch_config.activation_memory_budget = self.fraction
+        self.model.forward = torch.compile(type(self.model).forward.__get__(self.model))
+
+    def uninstall(self) -> None:
+        self.model.__dict__.pop("forward", None)
+        if self._config is not None:
+            config, value = self._config
+            config.activation_memory_budget = value
+            self._config = None
 
 
 class AppliedPolicy(Prepared):

@@ -29,6 +29,7 @@ from adacc_hf.schema import CODEC_FOR_LAYER, LAYER_TYPES
 
 from .adacc import NO_OUTLIER_CODEC, Profiles, profile_for
 from .prepared import (
+    CompiledBudget,
     EvolvingPolicy,
     HFCheckpointing,
     NoCheckpointing,
@@ -135,6 +136,7 @@ OFFLOAD_EVERY_N_PREFIX = "hf_offload_every_"
 SEARCHED: dict[str, tuple[str, str]] = {
     "hf_every_n": (EVERY_N_PREFIX, "hf_full"),
     "hf_offload_every_n": (OFFLOAD_EVERY_N_PREFIX, "hf_offload"),
+    "compile_budget": ("compile_budget_", "compile_budget_0"),  # `COMPILE_FRACTIONS` scanned
 }
 
 
@@ -149,14 +151,37 @@ def every_n(k: int, offload: bool = False) -> Strategy:
     return Strategy(f"{prefix}{k}", label, partial(HFCheckpointing, every_n=k, offload=offload))
 
 
+COMPILE_PREFIX = "compile_budget_"
+#: ``torch.compile``'s ``activation_memory_budget`` a user would try, in order (keep the most
+#: first); `throughput.resolve_searched` picks the first whose measured step peak fits. The
+#: partitioner's peak is not monotone in the knob (pytorch#197838), hence a scan, not a bisection.
+COMPILE_FRACTIONS = (1.0, 0.5, 0.25, 0.0)
+
+
+def compile_budget(fraction: float) -> Strategy:
+    """``torch.compile`` with ``activation_memory_budget = fraction`` (``compile_budget_<f>``)."""
+    label = f"torch.compile, activation_memory_budget {fraction:g}"
+    return Strategy(
+        f"{COMPILE_PREFIX}{fraction:g}", label, partial(CompiledBudget, fraction=fraction)
+    )
+
+
 def lookup(name: str) -> Strategy:
-    """The registry's strategy `name`, ``hf_every_<k>`` or ``hf_offload_every_<k>``."""
+    """The registry's strategy `name`, ``hf_every_<k>``, ``hf_offload_every_<k>`` or
+    ``compile_budget_<fraction>``."""
     if name in REGISTRY:
         return REGISTRY[name]
+    if name.startswith(COMPILE_PREFIX):
+        try:
+            return compile_budget(float(name[len(COMPILE_PREFIX) :]))
+        except ValueError:
+            pass
     for prefix, offload in ((EVERY_N_PREFIX, False), (OFFLOAD_EVERY_N_PREFIX, True)):
         if name.startswith(prefix) and name[len(prefix) :].isdigit():
             return every_n(int(name[len(prefix) :]), offload)
-    known = ", ".join([*REGISTRY, f"{EVERY_N_PREFIX}<k>", f"{OFFLOAD_EVERY_N_PREFIX}<k>"])
+    known = ", ".join(
+        [*REGISTRY, f"{EVERY_N_PREFIX}<k>", f"{OFFLOAD_EVERY_N_PREFIX}<k>", f"{COMPILE_PREFIX}<f>"]
+    )
     raise ValueError(f"unknown strategy {name!r}; known: {known}")
 
 

@@ -37,7 +37,7 @@ from .report import MiB, jsonable, main_row, print_rows
 from .search import largest
 from .stats import added_times, vs_best_fitting
 from .steps import median, step_stats, time_interleaved
-from .strategies import MAIN, SEARCHED, build, prepare
+from .strategies import COMPILE_FRACTIONS, MAIN, SEARCHED, build, prepare
 
 
 @dataclass
@@ -84,18 +84,31 @@ def num_layers(model: torch.nn.Module) -> int:
     return len(get_adapter(model).find_blocks(model))
 
 
+def ok_name(run: Run, name: str, batch: dict[str, Any], budget: int) -> bool:
+    """Whether strategy `name`'s measured step peak fits `budget`."""
+    s = prepare(name, run.model, batch, budget_nbytes=budget, static_nbytes=run.static)
+    return run.fits(run.memory(s.prepare(), batch), budget)
+
+
 def resolve_searched(run: Run, name: str, batch: dict[str, Any], budget: int) -> str:
-    """A `strategies.SEARCHED` name as the concrete strategy a user tuning ``every_n_layers``
-    would pick: the largest ``k`` (fewest checkpointed layers) whose measured step peak fits
-    `budget`, by bisection (the peak grows with ``k``); its fallback (``hf_full`` /
-    ``hf_offload``) when no ``k >= 2`` fits."""
+    """A `strategies.SEARCHED` name as the concrete strategy a user tuning the knob would pick:
+    for ``every_n_layers``, the largest ``k`` (fewest checkpointed layers) whose measured step peak
+    fits `budget`, by bisection (the peak grows with ``k``), else the fallback (``hf_full`` /
+    ``hf_offload``); for ``compile_budget``, the first of `strategies.COMPILE_FRACTIONS` that
+    fits, else the last."""
     prefix, fallback = SEARCHED[name]
+    if name == "compile_budget":  # the first fraction a user tries whose peak fits, else the last
+        return next(
+            (
+                f"{prefix}{f:g}"
+                for f in COMPILE_FRACTIONS
+                if ok_name(run, f"{prefix}{f:g}", batch, budget)
+            ),
+            fallback,
+        )
 
     def ok(k: int) -> bool:
-        s = prepare(
-            f"{prefix}{k}", run.model, batch, budget_nbytes=budget, static_nbytes=run.static
-        )
-        return run.fits(run.memory(s.prepare(), batch), budget)
+        return ok_name(run, f"{prefix}{k}", batch, budget)
 
     lo, hi = 1, num_layers(run.model)  # k = lo fits (the fallback); find the largest that does
     while lo < hi:
@@ -370,7 +383,11 @@ def _max_batches(run: Run, res: dict[str, Any], names: list[str], save: Callable
     same = {"adacc_adaptive": ("adacc", "same first policy")}
     # checkpointing every k-th layer holds more than every layer: the largest batch is every one's
     note = "same as {}: every k >= 2 holds more than checkpointing every layer"
-    same |= {n: (fallback, note.format(fallback)) for n, (_, fallback) in SEARCHED.items()}
+    same |= {
+        n: (fallback, note.format(fallback))
+        for n, (_, fallback) in SEARCHED.items()
+        if n != "compile_budget"
+    }
     if not run.cuda:
         note = "same as hf_full: on a CPU there is no device memory to offload from"
         same["hf_offload"] = ("hf_full", note)
@@ -402,6 +419,9 @@ def _max_batches_at(
         if run.deadline.passed():
             res["truncated"] = f"time limit reached in the max-batch search before {n}"
             break
+        if n == "compile_budget":
+            mb[n] = {"note": "not searched: each micro-batch size compiles anew"}
+            continue
         if n in same and (same[n][0] in mb or n in SEARCHED):
             src = same[n][0]
             mb[n] = {**(mb.get(src) or max_batch(run, src, budget, rules)), "note": same[n][1]}
