@@ -70,10 +70,10 @@ plan-sweep: setup
 max-batch: setup
 	$(PY) benchmarks/max_batch.py --out benchmarks/results/max-batch-cpu.json
 
-# Every tested transformers family (slow ones too, ~10 min on 2 cores) -> JSON -> README's table.
+# Every tested transformers family (slow ones too, ~10 min on 2 cores) -> JSON -> docs/families.md.
 families-table: setup
 	ADACC_FAMILY_REPORT=benchmarks/results/families-cpu.json $(PY) -m pytest -q tests/test_families.py
-	$(PY) benchmarks/families_table.py benchmarks/results/families-cpu.json --readme README.md
+	$(PY) benchmarks/families_table.py benchmarks/results/families-cpu.json --doc docs/families.md
 
 # Line and branch coverage of kernels/ under Triton's CPU interpreter (kernel bodies run as Python).
 KERNEL_TESTS := tests/test_kernels.py tests/test_kernel_paths.py tests/test_kernel_launches.py tests/test_kernel_offsets.py

@@ -13,7 +13,7 @@ broadcasts it, so all ranks run (and later switch to) the same policy. Each rank
 sharding the static memory model assumed, and the wall time.
 
 Without CUDA (CI) the script joins the process group over gloo, so the same config files run on
-CPU; see README.md ("Recipes").
+CPU; see README.md ("Distributed training (recipes)").
 """
 
 from __future__ import annotations

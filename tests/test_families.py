@@ -4,7 +4,7 @@ Per family (tiny random-init configs from `adacc_hf.families`): blocks are found
 typed; lossless policies leave loss and every gradient bitwise equal to the unpatched model;
 compression stays within a bounded gradient error; measured activation memory lands within 5 % of
 the solver's prediction; profile + solve + three Trainer steps run. With ``ADACC_FAMILY_REPORT``
-set, the outcomes go to that JSON file (`scripts/families_table.py` renders README's table).
+set, the outcomes go to that JSON file (`benchmarks/families_table.py` renders docs/families.md).
 """
 
 from __future__ import annotations

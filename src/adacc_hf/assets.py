@@ -12,10 +12,6 @@ Everything here loads from locally installed PyPI packages; nothing touches a mo
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import contextlib
 import copy
 import functools

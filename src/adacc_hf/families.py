@@ -9,10 +9,6 @@ version needs. Nothing is downloaded: configs come from the installed transforme
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
