@@ -19,7 +19,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 
 from adacc_hf import (  # noqa: E402
     AdaccError,
@@ -218,17 +218,181 @@ def test_longest_sequence_of_padding_free_runs(tmp_path):
     assert longest_sequence(free, None, rows) == 3 * 50
 
 
-def test_sft_configs_default_checkpointing_is_refused_with_a_clear_error(tmp_path):
-    """SFTConfig turns gradient checkpointing on by default; Adacc replaces it."""
+# ------------------------------------------------------------------ takeover of SFTConfig's default
+#: A short run: 2 steps of dynamic padding over two length buckets, SFTConfig's bf16 default.
+SHORT = dict(max_steps=2, per_device_train_batch_size=2, max_length=64, disable_tqdm=True)
+TAKEOVER = "adacc takes over activation checkpointing: SFTConfig"
+
+
+class _Grads(TrainerCallback):
+    """Each optimizer step's gradients (after clipping), copied."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append([p.grad.clone() for p in model.parameters()])
+
+
+def sft_run(tmp_path, callbacks=(), *, late=(), **config) -> tuple[trl.SFTTrainer, _Grads]:
+    """A short SFTTrainer run of the default tiny LLaMA: SFTConfig's defaults (activation
+    checkpointing on) unless `config` says otherwise; `late` callbacks join after the trainer is
+    built (they miss `on_init_end`)."""
+    grads = _Grads()
     args = trl.SFTConfig(
-        output_dir=str(tmp_path / "out"), max_steps=1, report_to="none", use_cpu=True
+        output_dir=str(tmp_path / "out"),
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        **{**SHORT, **config},
     )
     trainer = trl.SFTTrainer(
         model=assets.tiny_model("llama", seed=0),
         args=args,
-        train_dataset=texts(4),
+        train_dataset=texts(8),
         processing_class=tokenizer(),
-        callbacks=[AdaccCallback(budget="1GiB")],
+        callbacks=[*callbacks, grads],
     )
-    with pytest.raises(AdaccError, match="gradient_checkpointing=False"):
-        trainer.train()
+    for cb in late:
+        trainer.add_callback(cb)
+    trainer.train()
+    return trainer, grads
+
+
+def losses_of(trainer) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """TRL without Adacc and without checkpointing: the run every takeover must reproduce."""
+    trainer, grads = sft_run(tmp_path_factory.mktemp("ref"), activation_checkpointing=False)
+    return losses_of(trainer), grads.steps, [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def assert_bit_identical(trainer, grads, reference) -> None:
+    losses, steps, params = reference
+    assert losses_of(trainer) == losses and len(losses) == SHORT["max_steps"]
+    assert len(grads.steps) == len(steps)
+    for ours, theirs in zip(grads.steps, steps, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), params, strict=True))
+
+
+def full_recompute_policy():
+    """Adacc's full recomputation (every op recomputed: lossless), traced under SFTConfig's
+    default bf16 autocast; a fixed policy skips profiling and solving."""
+    from adacc_hf import trace_model
+    from adacc_hf.policy import builders
+
+    model = assets.tiny_model("llama", seed=0)
+    return builders.uniform(trace_model(model, autocast=torch.bfloat16), "recompute")
+
+
+def takeover_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(TAKEOVER)]
+
+
+@pytest.mark.parametrize("when", ["built", "added_later"])
+def test_sft_config_default_checkpointing_is_taken_over_bit_identically(
+    tmp_path, caplog, reference, when
+):
+    """SFTConfig turns activation checkpointing on by default: the callback switches the run's
+    own off (one info line) and Adacc's recompute trains bit-identically to TRL with no
+    checkpointing: losses, every step's gradients, final parameters. A callback given to the
+    trainer acts before `train()` enables anything; one added later undoes what `train()` did
+    (checkpointing and its input-gradient hooks)."""
+    callback = AdaccCallback(policy=full_recompute_policy())
+    hooks_seen: list = []
+    funcs_seen: set = set()
+
+    class Seen(TrainerCallback):  # the model's checkpointing while adacc trains
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            hooks_seen.append(getattr(model, "_require_grads_hooks", None))
+            for layer in model.model.layers:
+                assert layer.gradient_checkpointing
+                funcs_seen.add(type(layer._gradient_checkpointing_func).__module__)
+
+    cbs, late = ([callback], [Seen()]) if when == "built" else ((), [callback, Seen()])
+    with caplog.at_level(logging.INFO, logger="adacc_hf"):
+        trainer, grads = sft_run(tmp_path, cbs, late=late)
+    assert len(takeover_lines(caplog)) == 1, caplog.text[-2000:]
+    args = trainer.args
+    assert not args.gradient_checkpointing and not getattr(args, "activation_checkpointing", 0)
+    assert hooks_seen and not any(hooks_seen)  # no input-gradient hooks while adacc trained
+    assert funcs_seen == {"adacc_hf.runtime.checkpoint"}, funcs_seen  # adacc's, not torch's
+    assert callback.session.policy.metadata["source"] == "uniform:recompute"
+    assert_bit_identical(trainer, grads, reference)
+    model = trainer.model  # undone after training: neither adacc's nor transformers' checkpointing
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_lossless_solved_policy_under_sft_defaults_matches_trl(tmp_path, caplog, reference):
+    """Profiled and solved under SFTConfig's defaults with no codec (``codecs=[]``: retain or
+    recompute only), Adacc trains bit-identically to TRL without checkpointing."""
+    callback = AdaccCallback(budget="1GiB", codecs=[])
+    with caplog.at_level(logging.INFO, logger="adacc_hf"):
+        trainer, grads = sft_run(tmp_path, [callback])
+    assert len(takeover_lines(caplog)) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text[-2000:]
+    assert callback.session.plans
+    assert_bit_identical(trainer, grads, reference)
+
+
+def test_explicit_checkpointing_with_adacc_is_refused_saying_what_to_change(tmp_path):
+    """Asked for explicitly, transformers' own checkpointing and Adacc stop at once, saying which
+    setting to change: AdaccTrainingArguments with either name, TrainingArguments (whose default
+    is off) with AdaccCallback, and SFTConfig with checkpointing kwargs of the user's own."""
+    from transformers import Trainer, TrainingArguments
+
+    from adacc_hf import AdaccTrainingArguments
+
+    out = str(tmp_path / "out")
+    for name in ("gradient_checkpointing", "activation_checkpointing"):
+        with pytest.raises(AdaccError, match="replaces activation checkpointing: drop --"):
+            AdaccTrainingArguments(output_dir=out, adacc=True, **{name: True})
+    args = TrainingArguments(output_dir=out, activation_checkpointing=True, use_cpu=True)
+    model = assets.tiny_model("llama", seed=0)
+    batch = assets.tiny_batch("llama", model)
+    with pytest.raises(AdaccError, match="pass activation_checkpointing=False"):
+        Trainer(model=model, args=args, train_dataset=[batch], callbacks=[AdaccCallback()])
+    args = trl.SFTConfig(
+        output_dir=out,
+        use_cpu=True,
+        report_to="none",
+        activation_checkpointing_kwargs={"every_n_layers": 2, "use_reentrant": False},
+    )
+    with pytest.raises(AdaccError, match="kwargs with every_n_layers"):
+        trl.SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=texts(4),
+            processing_class=tokenizer(),
+            callbacks=[AdaccCallback()],
+        )
+
+
+def test_arguments_taking_sft_configs_default_switch_it_off_with_one_line(tmp_path, caplog):
+    """Arguments combining SFTConfig and AdaccTrainingArguments inherit SFTConfig's default:
+    it is switched off when they are made (one info line); typed with the new name it is an
+    error. (Typed as ``gradient_checkpointing=True`` it equals the default and reads as one.)"""
+    import dataclasses as dc
+
+    from adacc_hf import AdaccTrainingArguments
+
+    @dc.dataclass
+    class SFTAdaccConfig(trl.SFTConfig, AdaccTrainingArguments):
+        pass
+
+    out = str(tmp_path / "out")
+    with caplog.at_level(logging.INFO, logger="adacc_hf"):
+        args = SFTAdaccConfig(output_dir=out, adacc=True, use_cpu=True, report_to="none")
+    assert not args.gradient_checkpointing and not args.activation_checkpointing
+    lines = [r.getMessage() for r in caplog.records if "takes over" in r.getMessage()]
+    assert len(lines) == 1 and "SFTAdaccConfig" in lines[0], caplog.text
+    assert SFTAdaccConfig(output_dir=out, use_cpu=True).gradient_checkpointing  # adacc off
+    with pytest.raises(AdaccError, match="replaces activation checkpointing"):
+        SFTAdaccConfig(output_dir=out, adacc=True, use_cpu=True, activation_checkpointing=True)

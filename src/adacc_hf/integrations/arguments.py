@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,10 +12,18 @@ from transformers import TrainingArguments
 from ..errors import AdaccError, PolicyError
 from ..policy import Policy
 from ..solver import MAX_GRAD_ERROR
-from .callback import AdaccCallback, checkpointing_on
+from .callback import (
+    AdaccCallback,
+    checkpointing_by_default,
+    checkpointing_on,
+    explicit_checkpointing_error,
+    switch_off_own_checkpointing,
+)
 from .config import AdaccConfig
 
 __all__ = ["INTEGRATION", "AdaccTrainingArguments"]
+
+logger = logging.getLogger("adacc_hf")
 
 #: The `report_to` name under which `AdaccTrainingArguments(adacc=True)` reaches a plain Trainer.
 INTEGRATION = "adacc"
@@ -133,13 +143,24 @@ class AdaccTrainingArguments(TrainingArguments):
         if self.adacc_codecs is not None:  # also "a,b" (a YAML string, older command lines)
             items = [self.adacc_codecs] if isinstance(self.adacc_codecs, str) else self.adacc_codecs
             self.adacc_codecs = [c.strip() for i in items for c in str(i).split(",") if c.strip()]
+        typed = _typed_checkpointing(self)  # before the parent resolves the two names
         super().__post_init__()
         if not self.adacc:
             return
         if checkpointing_on(self):
-            raise AdaccError(
-                "adacc replaces activation checkpointing: drop --gradient_checkpointing / "
-                "--activation_checkpointing (or set adacc=False)"
+            if typed:
+                raise AdaccError(
+                    "adacc replaces activation checkpointing: drop --gradient_checkpointing / "
+                    "--activation_checkpointing (or set adacc=False)"
+                )
+            if not checkpointing_by_default(self):  # checkpointing kwargs set by the user
+                raise explicit_checkpointing_error(self)
+            switch_off_own_checkpointing(self)
+            logger.info(
+                "adacc takes over activation checkpointing: %s turns gradient_checkpointing on "
+                "by default, so the run's own is switched off and adacc's per-op policy "
+                "replaces it",
+                type(self).__name__,
             )
         if getattr(self, "torch_compile", False):
             raise AdaccError(
@@ -211,6 +232,19 @@ class AdaccTrainingArguments(TrainingArguments):
         self.__dict__.update(state)
         if getattr(self, "adacc", False):
             _enable_integration(self)
+
+
+def _typed_checkpointing(args: TrainingArguments) -> bool:
+    """Whether the user turned transformers' own checkpointing on (either name, any value other
+    than the class's field default), read before `TrainingArguments.__post_init__` copies one name
+    onto the other."""
+    fields = {f.name: f for f in dataclasses.fields(args)}
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        f = fields.get(name)
+        value = getattr(args, name, None)
+        if f is not None and value and value != f.default:
+            return True
+    return False
 
 
 def _enable_integration(args: AdaccTrainingArguments) -> None:

@@ -22,10 +22,13 @@ logger = logging.getLogger("adacc_hf")
 
 __all__ = [
     "AdaccCallback",
+    "checkpointing_by_default",
     "checkpointing_on",
+    "explicit_checkpointing_error",
     "flattens_batches",
     "longest_sequence",
     "run_config",
+    "switch_off_own_checkpointing",
 ]
 
 
@@ -33,13 +36,98 @@ __all__ = [
 SCAN_ROWS = 100_000
 
 
+#: The two names of transformers' own activation checkpointing flag (``gradient_checkpointing``
+#: is its deprecated alias from 5.23 on; older versions have only it) and of its kwargs.
+_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
+_KWARGS = ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+#: Checkpointing kwargs TRL writes itself (``use_reentrant``), so they say nothing of the user.
+_SET_BY_TRL = frozenset({"use_reentrant"})
+
+
 def checkpointing_on(args: Any) -> bool:
     """Whether the run's arguments turn on transformers' own activation checkpointing (which adacc
     replaces): ``gradient_checkpointing``, or ``activation_checkpointing`` from transformers 5.23."""
-    return bool(
-        getattr(args, "activation_checkpointing", False)
-        or getattr(args, "gradient_checkpointing", False)
+    return bool(any(getattr(args, name, False) for name in _FLAGS))
+
+
+def _field_default(cls: type, name: str) -> Any:
+    """The dataclass field default of `name` on `cls` (None where it has none)."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    return None
+
+
+def _default_on(cls: type) -> bool:
+    """Whether arguments of class `cls` turn checkpointing on when neither name is given: the
+    first name whose field default is set decides, as `TrainingArguments.__post_init__` resolves
+    them (TRL's configs: ``gradient_checkpointing=True``)."""
+    for name in _FLAGS:
+        value = _field_default(cls, name)
+        if value is not None:
+            return bool(value)
+    return False
+
+
+def _configured(args: Any) -> list[str]:
+    """The checkpointing kwargs a user set (``selective``, ``every_n_layers``, ``offload``, ...):
+    anything beyond what TRL writes itself."""
+    keys: set[str] = set()
+    for name in _KWARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, dict):
+            keys.update(k for k in value if k not in _SET_BY_TRL)
+    return sorted(keys)
+
+
+def checkpointing_by_default(args: Any) -> bool:
+    """Whether the run's own activation checkpointing is on only because the arguments' class
+    defaults to it (TRL's `SFTConfig`: ``gradient_checkpointing=True``) and nothing else about it
+    was configured. A value equal to the class default cannot be told apart from one the user
+    typed: ``SFTConfig(gradient_checkpointing=True)`` reads as the default."""
+    return checkpointing_on(args) and _default_on(type(args)) and not _configured(args)
+
+
+def explicit_checkpointing_error(args: Any) -> AdaccError:
+    """The error for arguments that ask for transformers' own checkpointing explicitly."""
+    kwargs = _configured(args)
+    what = (
+        f"activation_checkpointing_kwargs with {', '.join(kwargs)}"
+        if kwargs
+        else "activation_checkpointing=True / gradient_checkpointing=True"
     )
+    return AdaccError(
+        f"adacc replaces activation checkpointing, but the run's arguments ask for transformers' "
+        f"own ({what}): pass activation_checkpointing=False (gradient_checkpointing=False before "
+        "transformers 5.23) and no checkpointing kwargs, or drop adacc to keep transformers' "
+        "checkpointing"
+    )
+
+
+def switch_off_own_checkpointing(args: Any, model: Any = None, *, peft_hooks: bool = False) -> None:
+    """Undo transformers' (and TRL's) activation checkpointing so adacc can install its own:
+    both flags off in `args`; on `model`, checkpointing disabled where it is on, and the
+    embedding hooks that make inputs require gradients (``enable_input_require_grads``) removed
+    where checkpointing added them: `activation_checkpointing_enable` adds them (replacing any
+    earlier list) for models taking ``input_ids``; TRL adds them to a PEFT model before the
+    Trainer exists (`peft_hooks`). Adacc's checkpoint is non-reentrant and needs none of them."""
+    for name in _FLAGS:
+        if hasattr(args, name):
+            setattr(args, name, False)
+    if model is None:
+        return
+    base = unwrap_model(model)
+    was_on = any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
+    if was_on:
+        off = getattr(base, "activation_checkpointing_disable", None)
+        (off or base.gradient_checkpointing_disable)()
+    if (was_on or peft_hooks) and getattr(base, "_require_grads_hooks", None):
+        base.disable_input_require_grads()
 
 
 def flattens_batches(args: Any, collator: Any = None) -> bool:
@@ -137,15 +225,30 @@ class AdaccCallback(TrainerCallback):
         options = getattr(args, "adacc_config", None)  # AdaccTrainingArguments
         return options() if callable(options) else AdaccConfig()
 
+    def _take_over(self, args: TrainingArguments, model: Any, *, peft_hooks: bool) -> None:
+        """Switch the run's own activation checkpointing off when it is on only by its arguments'
+        class default (TRL's configs); raise when the user asked for it."""
+        if not checkpointing_on(args):
+            return
+        if not checkpointing_by_default(args):
+            raise explicit_checkpointing_error(args)
+        switch_off_own_checkpointing(args, model, peft_hooks=peft_hooks)
+        logger.info(
+            "adacc takes over activation checkpointing: %s turns gradient_checkpointing on by "
+            "default, so the run's own is switched off and adacc's per-op policy replaces it",
+            type(args).__name__,
+        )
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        # Before `train()` enables anything: only TRL's input-gradient hooks on a PEFT model exist.
+        peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+        self._take_over(args, model, peft_hooks=peft)
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
-        if checkpointing_on(args):
-            raise AdaccError(
-                "adacc replaces activation checkpointing, but the run's arguments turn it on "
-                "(TRL's SFTConfig does by default): pass gradient_checkpointing=False "
-                "(activation_checkpointing=False on transformers >= 5.23)"
-            )
+        # A callback added after the Trainer was built: `train()` has enabled checkpointing.
+        self._take_over(args, model, peft_hooks=False)
         base = unwrap_model(model)
         owner = base.__dict__.get("_adacc_session")
         if owner is not None and owner is not self.session:
