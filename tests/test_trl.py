@@ -342,6 +342,27 @@ def test_lossless_solved_policy_under_sft_defaults_matches_trl(tmp_path, caplog,
     assert_bit_identical(trainer, grads, reference)
 
 
+@pytest.mark.parametrize("source", ["config", "policy"])
+def test_chunked_head_stands_down_for_trls_fused_head(tmp_path, caplog, reference, source):
+    """TRL 1.16's SFTTrainer computes its default ``loss_type="nll"`` loss (and the entropy and
+    accuracy metrics) with its own fused LM head, chunk by chunk, without logits. Adacc's chunked
+    head (asked for by the config or carried by a saved policy) stands down with an info line
+    instead of chunking twice or failing, and the losses are TRL's, bit for bit."""
+    if source == "config":
+        callback = AdaccCallback(budget="1GiB", codecs=[], head="chunked")
+    else:
+        policy = full_recompute_policy()
+        policy.head = "chunked"
+        callback = AdaccCallback(policy=policy)
+    with caplog.at_level(logging.INFO, logger="adacc_hf"):
+        trainer, grads = sft_run(tmp_path, [callback])
+    notes = [r.getMessage() for r in caplog.records if "TRL's fused LM head" in r.getMessage()]
+    assert len(notes) == 1 and "stands down" in notes[0], caplog.text[-2000:]
+    assert callback.session.handle is None or callback.session.handle.head is None
+    assert_bit_identical(trainer, grads, reference)
+    assert all(e.get("mean_token_accuracy") is not None for e in trainer.state.log_history[:-1])
+
+
 def test_explicit_checkpointing_with_adacc_is_refused_saying_what_to_change(tmp_path):
     """Asked for explicitly, transformers' own checkpointing and Adacc stop at once, saying which
     setting to change: AdaccTrainingArguments with either name, TrainingArguments (whose default

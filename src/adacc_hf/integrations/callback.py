@@ -13,6 +13,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..adapters import unwrap_model
 from ..errors import AdaccError
 from ..policy import Policy
+from ..runtime.head import chunked_head_problem
 from .card import read_artifacts, write_artifacts
 from .config import AdaccConfig
 from .session import AdaccSession
@@ -176,6 +177,43 @@ def _longest_row(args: Any, collator: Any, dataset: Any) -> int | None:
     return None
 
 
+def trl_fused_head(model: Any) -> bool:
+    """Whether TRL's fused LM head owns the model's forward (`SFTTrainer` patches it onto the
+    instance: with ``fused_lm_head=True`` the loss is computed chunk by chunk from the final hidden
+    states, and the ``[tokens x vocab]`` logits never exist)."""
+    base = unwrap_model(model)
+    # Accelerate's mixed precision wraps the forward again (keeping ``_original_forward``); TRL
+    # wraps it with functools.wraps (the model class's name and module): ask where each lives.
+    todo = [base.__dict__.get("forward"), base.__dict__.get("_original_forward")]
+    seen: set[int] = set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        module = getattr(fn, "__globals__", {}).get("__name__", "")
+        if module.split(".")[0] == "trl":
+            return True
+        todo += [getattr(fn, "__func__", None), getattr(fn, "__wrapped__", None)]
+    return False
+
+
+def _head_note(model: Any, what: str) -> str | None:
+    """Why adacc's chunked head (asked for by `what`) stands down or cannot apply: a note to log
+    where TRL's fused head already chunks the loss (returned), an `AdaccError` where the model
+    cannot take it otherwise, None where it applies."""
+    problem = chunked_head_problem(model)
+    if problem is None:
+        return None
+    if trl_fused_head(model):
+        return (
+            f"adacc: {what}: TRL's fused LM head already computes the loss chunk by chunk without "
+            "the logits, so adacc's chunked head stands down and TRL's runs (head='full': the "
+            "model's own forward)"
+        )
+    raise AdaccError(f"adacc {what}: the chunked LM head does not apply to this model: {problem}")
+
+
 def run_config(config: AdaccConfig, args: TrainingArguments) -> AdaccConfig:
     """`config` with what the run decides filled in from its arguments: the optimizer (and the
     Trainer's fp32 embedding states under 8-bit ones), mixed precision, world size and sharding
@@ -270,6 +308,16 @@ class AdaccCallback(TrainerCallback):
             reserve = self.session.oom_reserve_nbytes
             self.session.close()
         config = run_config(self._config(args), args)
+        if config.head == "chunked" and (note := _head_note(model, "head='chunked'")):
+            logger.info(note)
+            config = dataclasses.replace(config, head="full")
+        if (
+            policy is not None
+            and policy.head == "chunked"
+            and (note := _head_note(model, "the policy's head='chunked'"))
+        ):
+            logger.info(note)
+            policy = dataclasses.replace(policy, head="full")
         choice = self.batch_choice
         if config.auto_batch_size and choice is None and policy is None:
             raise AdaccError(
