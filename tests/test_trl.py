@@ -1,5 +1,8 @@
 """TRL's `SFTTrainer` with `AdaccCallback`: dynamic padding and padding-free (BFD-packed) batches
 train a tiny LLaMA under a budget; every bucket gets a plan and its measured step peak fits.
+SFTConfig's default activation checkpointing is taken over (bit-identical to TRL without
+checkpointing under a lossless policy), asked for explicitly it is an error, and adacc's chunked
+head stands down for TRL's fused one.
 
 Offline: a word-level tokenizer built here, a tiny random-init model, text rows of set lengths.
 TRL 1.16 patches the model's forward with its own chunked LM head (``fused_lm_head=True``); the
