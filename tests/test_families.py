@@ -1,6 +1,6 @@
 """Every tested transformers family runs under Adacc through the generic adapter.
 
-Per family (tiny random-init configs from `adacc_hf.families`): blocks are found, grouped and
+Per family (tiny random-init configs from `adacc_hf.testing.families`): blocks are found, grouped and
 typed; lossless policies leave loss and every gradient bitwise equal to the unpatched model;
 compression stays within a bounded gradient error; measured activation memory lands within 5 % of
 the solver's prediction; profile + solve + three Trainer steps run. With ``ADACC_FAMILY_REPORT``
@@ -30,11 +30,11 @@ from adacc_hf import (
     uniform_policy,
 )
 from adacc_hf.adapters import VERIFIED_MODEL_TYPES
-from adacc_hf.families import FAMILIES, family_batch, family_model
 from adacc_hf.integrations.trainer import AdaccCallback
 from adacc_hf.runtime.ops import KEYED, OpKeyer, RegionTracker, key_kind
 from adacc_hf.schema import ATTENTION_CORE
 from adacc_hf.solver import budget_between, predict
+from adacc_hf.testing.families import FAMILIES, family_batch, family_model
 
 pytestmark = pytest.mark.usefixtures("frozen_gc")
 

@@ -25,9 +25,9 @@ from adacc_hf import (
     solve_policy,
     uniform_policy,
 )
-from adacc_hf.families import family_batch, family_model
 from adacc_hf.schema import RECOMPUTE
 from adacc_hf.solver import budget_between, planned_budget, predict
+from adacc_hf.testing.families import family_batch, family_model
 
 pytestmark = pytest.mark.usefixtures("frozen_gc")
 

