@@ -160,6 +160,7 @@ def train_and_check(tmp_path, caplog, key_of_longest, **config):
     return trainer, session, seen
 
 
+@pytest.mark.slow  # 50-60 s on the shared 2-core machine; the takeover tests run SFTTrainer by default
 def test_sft_trainer_with_dynamic_padding_trains_within_budget(tmp_path, caplog):
     """Dynamic padding (TRL's collator pads each batch to its longest row): the longest bucket
     (TRL's max_length) is planned before the first step, each length bucket when it comes."""
