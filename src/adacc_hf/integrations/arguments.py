@@ -48,7 +48,7 @@ class AdaccTrainingArguments(TrainingArguments):
         default="auto",
         metadata=_help(
             "Device memory budget per GPU: '20GiB', '20GB', '80%' of device memory, a byte count, "
-            "or 'auto' (free memory minus max(1 GiB, 5%))."
+            "or 'auto' (free memory plus what the model already holds, minus max(1 GiB, 5%))."
         ),
     )
     adacc_policy: str | None = field(
@@ -115,8 +115,9 @@ class AdaccTrainingArguments(TrainingArguments):
         default=None,
         metadata=_help(
             "The longest sequence of the run. Its bucket is planned before the first step, so a "
-            "budget too small for it fails at once (default: each bucket is planned when its "
-            "first batch comes)."
+            "budget too small for it fails at once (default: read from TRL's max_length, a "
+            "collator padding to a fixed length or the dataset where they say it; else each "
+            "bucket is planned when its first batch comes)."
         ),
     )
 
