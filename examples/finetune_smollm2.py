@@ -29,6 +29,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # DeepSpeed (imported by accelerate) warns when it guesses
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import transformers  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 from adacc_hf import (  # noqa: E402
@@ -111,7 +116,9 @@ def main() -> None:
     amp = torch.bfloat16 if args.bf16 else None
 
     t0 = time.perf_counter()
+    transformers.utils.logging.disable_progress_bar()  # the GGUF conversion's bars
     model, tokenizer = load_smollm2()
+    transformers.utils.logging.enable_progress_bar()
     model.config.use_cache = False
     train, evals = shakespeare_splits(tokenizer, args.seq_len, args.steps * args.batch_size, 16)
     ids = train[0]["input_ids"]  # real tokens, for the side-by-side batches
