@@ -62,6 +62,9 @@ def derived_budget(model, trainer, key, amp, fraction: float) -> tuple[int, int,
         model, "activation_checkpointing_disable"
     ) else model.gradient_checkpointing_disable()
     model.disable_input_require_grads()  # what enabling added: the run trains without them
+    # the first measurement left its gradients: measured beside them, backward would hold a second
+    # set (a later micro-batch's peak, +1x the parameters' bytes), not a step's
+    model.zero_grad(set_to_none=True)
     none = measure_step_peak(model, sample, autocast=amp).peak_nbytes
     model.zero_grad(set_to_none=True)
     mp = "bf16" if amp == torch.bfloat16 else None

@@ -255,8 +255,11 @@ def measure_step_peak(
     ``torch.autocast(dtype=autocast)`` when given (with an empty weight-cast cache, also inside a
     caller's own autocast region: `trace.autocast_context`). The outputs are dropped before
     backward except the loss (as ``Trainer.training_step`` does). With `optimizer`, its ``step()`` and
-    ``zero_grad(set_to_none=True)`` run last. Phases: ``forward``, ``backward``, ``optimizer``
-    (with several micro-batches: the highest of them).
+    ``zero_grad(set_to_none=True)`` run last. Without it, the gradients stay in ``.grad``, and a
+    step measured beside gradients already there is a later micro-batch's (1x the gradients' bytes
+    higher, measured): call ``model.zero_grad(set_to_none=True)`` between such measurements.
+    Phases: ``forward``, ``backward``, ``optimizer`` (with several micro-batches: the highest of
+    them).
     """
     batches = [batch] if isinstance(batch, Mapping) else list(batch)
     if not batches:
