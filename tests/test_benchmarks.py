@@ -94,22 +94,17 @@ def test_every_n_layers_searched_is_the_largest_k_whose_measured_peak_fits():
     """``hf_every_n`` runs as the ``every_n_layers=k`` a user would tune to: against every k's
     measured step peak (brute force), the largest k that fits the budget, and ``hf_full`` when
     none does."""
-    import argparse
+    from benchmarks.harness.memory import step_memory
+    from benchmarks.harness.search import resolve_searched
 
-    from benchmarks.harness.env import Deadline
-    from benchmarks.harness.models import PRESETS
-    from benchmarks.harness.throughput import Run, resolve_searched
-
-    spec = next(s for s in PRESETS["cpu"] if s.name == "gpt2-cpu")
     model = assets.tiny_model("gpt2", seed=0, n_layer=4, n_embd=64, n_head=4, vocab_size=256)
     opt = torch.optim.AdamW(model.parameters())
     static = estimate_static_memory(model, optimizer="adamw_torch")
-    run = Run(spec, model, static, opt, argparse.Namespace(), Deadline(None))
     batch = assets.tiny_batch("gpt2", model, batch_size=2, seq_len=64)
 
     def peak(name: str) -> int:
         s = S.prepare(name, model, batch, budget_nbytes=None, static_nbytes=static).prepare()
-        return run.memory(s, batch)["peak_nbytes"]
+        return step_memory(s, batch, opt)["peak_nbytes"]
 
     peaks = {k: peak(f"hf_every_{k}") for k in range(2, 5)}
     full = peak("hf_full")
@@ -117,7 +112,8 @@ def test_every_n_layers_searched_is_the_largest_k_whose_measured_peak_fits():
     for budget in sorted({full, *peaks.values()}):
         fits = [k for k, p in peaks.items() if p <= budget]
         want = f"hf_every_{max(fits)}" if fits else "hf_full"
-        assert resolve_searched(run, "hf_every_n", batch, budget) == want, (budget, peaks)
+        got = resolve_searched("hf_every_n", lambda name, b=budget: peak(name) <= b, 4)
+        assert got == want, (budget, peaks)
 
 
 _FAULTS = """
@@ -236,21 +232,23 @@ def test_tiny_accuracy_suite_compares_eval_loss_to_baseline(tmp_path):
     assert (tmp_path / res["plot"]).stat().st_size > 1000
 
 
+def _grads(model, batch) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of one seeded forward + backward; `.grad` left empty."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    model(**batch).loss.backward()
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_every_strategy_leaves_the_model_unpatched_and_its_gradients_unchanged(family):
     model = assets.tiny_model(family)
     batch = assets.tiny_batch(family, model, batch_size=2, seq_len=16)
     static = estimate_static_memory(model)
 
-    def grads():
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        model(**batch).loss.backward()
-        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return out
-
-    before_state, before_grads = patch_state(model), grads()
+    before_state, before_grads = patch_state(model), _grads(model, batch)
     profiles = profile_for(model, batch, repeats=1)
     lo, hi = budget_range(profiles.adacc, static)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -263,7 +261,7 @@ def test_every_strategy_leaves_the_model_unpatched_and_its_gradients_unchanged(f
             with strategy:
                 train_step(model, batch, opt, strategy)
             assert patch_state(model) == before_state, name
-    after = grads()
+    after = _grads(model, batch)
     assert after.keys() == before_grads.keys()
     for k in after:
         assert torch.equal(after[k], before_grads[k]), k
@@ -279,19 +277,11 @@ def test_the_compiled_baseline_trains_like_eager_and_leaves_the_model_unpatched(
     model.eval()  # no dropout: the compiled graph draws its own random numbers
     state = patch_state(model)
 
-    def grads() -> dict[str, torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        model(**batch).loss.backward()
-        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return out
-
-    eager = grads()
+    eager = _grads(model, batch)
     for f in (1.0, 0.0):
         with S.prepare(f"compile_budget_{f:g}", model, batch, static_nbytes=static) as s:
             assert s.label.startswith("torch.compile")
-            got = grads()
+            got = _grads(model, batch)
         assert patch_state(model) == state
         assert got.keys() == eager.keys()
         for k in got:

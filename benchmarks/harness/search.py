@@ -1,12 +1,15 @@
-"""The largest micro-batch that fits: doubling from 1, then bisection.
+"""The largest that fits: doubling from 1, then bisection.
 
-`largest(ok, cap)` assumes `ok` is monotone (a batch that fits means every smaller one fits) and
-calls it O(log cap) times; callers memoise `ok` (each call is a measured step).
+`largest(ok, cap)` assumes `ok` is monotone (a value that fits means every smaller one fits) and
+calls it O(log cap) times; callers memoise `ok` (each call is a measured step). It finds the
+largest micro-batch, and (`resolve_searched`) the ``every_n_layers`` a user would tune to.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from .strategies import COMPILE_FRACTIONS, SEARCHED
 
 
 def largest(ok: Callable[[int], bool], cap: int) -> int:
@@ -30,3 +33,19 @@ def largest(ok: Callable[[int], bool], cap: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def resolve_searched(name: str, fits: Callable[[str], bool], layers: int) -> str:
+    """A `strategies.SEARCHED` name as the concrete strategy a user tuning the knob would pick,
+    `fits(strategy)` saying whether its measured step peak fits the budget: for
+    ``every_n_layers``, the largest ``k <= layers`` that fits (the peak grows with ``k``), else
+    the fallback (``hf_full`` / ``hf_offload``); for ``compile_budget``, the first of
+    `strategies.COMPILE_FRACTIONS` that fits (the partitioner's peak is not monotone), else the
+    last."""
+    prefix, fallback = SEARCHED[name]
+    if name == "compile_budget":
+        return next(
+            (f"{prefix}{f:g}" for f in COMPILE_FRACTIONS if fits(f"{prefix}{f:g}")), fallback
+        )
+    k = largest(lambda k: k == 1 or fits(f"{prefix}{k}"), layers)  # k = 1: the fallback
+    return fallback if k < 2 else f"{prefix}{k}"

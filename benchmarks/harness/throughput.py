@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from adacc_hf import Policy, estimate_static_memory, uniform_policy
+from adacc_hf import Policy, estimate_static_memory, get_adapter, uniform_policy
 from adacc_hf.errors import BudgetError
 from adacc_hf.solver import StaticMemory, predict, solve
 
@@ -34,10 +34,10 @@ from .memory import fits, free_cached, oom_errors, step_memory
 from .models import ModelSpec
 from .prepared import Prepared
 from .report import MiB, jsonable, main_row, print_rows
-from .search import largest
+from .search import largest, resolve_searched
 from .stats import added_times, vs_best_fitting
 from .steps import median, step_stats, time_interleaved
-from .strategies import COMPILE_FRACTIONS, MAIN, SEARCHED, build, prepare
+from .strategies import MAIN, SEARCHED, build, prepare
 
 
 @dataclass
@@ -78,45 +78,6 @@ def solve_ms(profile, budget: int, static: StaticMemory, n: int = 5) -> float | 
         return None
 
 
-def num_layers(model: torch.nn.Module) -> int:
-    from adacc_hf.adapters import get_adapter
-
-    return len(get_adapter(model).find_blocks(model))
-
-
-def ok_name(run: Run, name: str, batch: dict[str, Any], budget: int) -> bool:
-    """Whether strategy `name`'s measured step peak fits `budget`."""
-    s = prepare(name, run.model, batch, budget_nbytes=budget, static_nbytes=run.static)
-    return run.fits(run.memory(s.prepare(), batch), budget)
-
-
-def resolve_searched(run: Run, name: str, batch: dict[str, Any], budget: int) -> str:
-    """A `strategies.SEARCHED` name as the concrete strategy a user tuning the knob would pick:
-    for ``every_n_layers``, the largest ``k`` (fewest checkpointed layers) whose measured step peak
-    fits `budget`, by bisection (the peak grows with ``k``), else the fallback (``hf_full`` /
-    ``hf_offload``); for ``compile_budget``, the first of `strategies.COMPILE_FRACTIONS` that
-    fits, else the last."""
-    prefix, fallback = SEARCHED[name]
-    if name == "compile_budget":  # the first fraction a user tries whose peak fits, else the last
-        return next(
-            (
-                f"{prefix}{f:g}"
-                for f in COMPILE_FRACTIONS
-                if ok_name(run, f"{prefix}{f:g}", batch, budget)
-            ),
-            fallback,
-        )
-
-    def ok(k: int) -> bool:
-        return ok_name(run, f"{prefix}{k}", batch, budget)
-
-    lo, hi = 1, num_layers(run.model)  # k = lo fits (the fallback); find the largest that does
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-    return fallback if lo < 2 else f"{prefix}{lo}"
-
-
 def bench_batch(
     run: Run, names: list[str], bs: int, budget: int, *, baseline: str = "hf_full"
 ) -> tuple[dict[str, Any], dict[str, Prepared]]:
@@ -126,7 +87,13 @@ def bench_batch(
     batch = run.batch(bs)
     a = run.args
     t0 = time.perf_counter()
-    searched = {resolve_searched(run, n, batch, budget): n for n in names if n in SEARCHED}
+    layers = len(get_adapter(run.model).find_blocks(run.model))
+
+    def fits(name: str) -> bool:  # a candidate's measured step peak within the budget
+        s = prepare(name, run.model, batch, budget_nbytes=budget, static_nbytes=run.static)
+        return run.fits(run.memory(s.prepare(), batch), budget)
+
+    searched = {resolve_searched(n, fits, layers): n for n in names if n in SEARCHED}
     names = [n for n in names if n not in SEARCHED]
     names += [n for n in searched if n not in names]
     ready = build(
