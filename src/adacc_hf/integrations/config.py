@@ -102,6 +102,15 @@ class AdaccConfig:
             raise AdaccError("gradient_accumulation_steps must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise AdaccError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+        if self.zero_buckets is not None and (
+            isinstance(self.zero_buckets, bool)
+            or not isinstance(self.zero_buckets, int)
+            or self.zero_buckets < 0
+        ):
+            raise AdaccError(
+                "zero_buckets (ZeRO-2's reduce-bucket elements) must be an int >= 0 or None "
+                f"(read from the DeepSpeed config), got {self.zero_buckets!r}"
+            )
 
     def static_options(self) -> dict[str, Any]:
         """The `solver.estimate_static_memory` options of this run."""
