@@ -130,7 +130,7 @@ EVERY_N_PREFIX = "hf_every_"
 OFFLOAD_EVERY_N_PREFIX = "hf_offload_every_"
 #: transformers' ``every_n_layers`` with the largest ``k`` (fewest checkpointed layers, fastest)
 #: whose measured step peak fits the budget, searched per budget and micro-batch
-#: (`throughput.resolve_searched`): what a user tuning the one-line knob would pick. Without and
+#: (`search.resolve_searched`): what a user tuning the one-line knob would pick. Without and
 #: with ``offload=True``. Each resolves to ``hf_every_<k>`` / ``hf_offload_every_<k>``, or to
 #: ``hf_full`` / ``hf_offload`` when no ``k >= 2`` fits.
 SEARCHED: dict[str, tuple[str, str]] = {
@@ -153,7 +153,7 @@ def every_n(k: int, offload: bool = False) -> Strategy:
 
 COMPILE_PREFIX = "compile_budget_"
 #: ``torch.compile``'s ``activation_memory_budget`` a user would try, in order (keep the most
-#: first); `throughput.resolve_searched` picks the first whose measured step peak fits. The
+#: first); `search.resolve_searched` picks the first whose measured step peak fits. The
 #: partitioner's peak is not monotone in the knob (pytorch#197838), hence a scan, not a bisection.
 COMPILE_FRACTIONS = (1.0, 0.5, 0.25, 0.0)
 
