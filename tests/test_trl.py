@@ -66,6 +66,17 @@ def texts(n: int = 32, seed: int = 0) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": rows})
 
 
+#: Every SFTConfig here: a quiet, seeded CPU run that logs each step and saves nothing.
+CPU_RUN = dict(
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    seed=0,
+    dataloader_num_workers=0,
+)
+
+
 def sft_config(tmp_path, **kw) -> trl.SFTConfig:
     no_ckpt = (
         {"activation_checkpointing": False}
@@ -77,13 +88,8 @@ def sft_config(tmp_path, **kw) -> trl.SFTConfig:
         max_steps=4,
         per_device_train_batch_size=2,
         learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
         max_length=64,
+        **CPU_RUN,
         **no_ckpt,
     )
     defaults.update(kw)
@@ -243,16 +249,7 @@ def sft_run(tmp_path, callbacks=(), *, late=(), **config) -> tuple[trl.SFTTraine
     checkpointing on) unless `config` says otherwise; `late` callbacks join after the trainer is
     built (they miss `on_init_end`)."""
     grads = _Grads()
-    args = trl.SFTConfig(
-        output_dir=str(tmp_path / "out"),
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-        **{**SHORT, **config},
-    )
+    args = trl.SFTConfig(output_dir=str(tmp_path / "out"), **CPU_RUN, **{**SHORT, **config})
     trainer = trl.SFTTrainer(
         model=assets.tiny_model("llama", seed=0),
         args=args,
