@@ -28,6 +28,7 @@ from ..adapters import get_adapter, unwrap_model
 from ..runtime.peak import storage_nbytes
 from ..runtime.trace import autocast_context, devices_of, run_representatives
 from ..schema import GroupProfile, Profile
+from .estimates import grad_nbytes
 from .fidelity import measure_grad_errors
 from .head import measure_heads
 from .memory import StepMemory, measure, sharded
@@ -47,16 +48,6 @@ __all__ = [
     "profile_codec",
     "profile_model",
 ]
-
-
-def _grad_nbytes(modules: Iterable[nn.Module]) -> int:
-    seen, total = set(), 0
-    for m in modules:
-        for p in m.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                total += (getattr(p, "ds_numel", 0) or p.numel()) * p.element_size()
-    return total
 
 
 def profile_model(
@@ -139,7 +130,7 @@ def profile_model(
             ops=m.ops,
             plain_transient_nbytes=mem.plain_transient[g.name],
             output_nbytes=mem.output_nbytes[g.name],
-            grad_nbytes=_grad_nbytes([g.modules[0]]),
+            grad_nbytes=grad_nbytes([g.modules[0]]),
             positions=[positions[id(mod)] for mod in g.modules],
             forward_transient_nbytes=mem.block_fwd_transient.get(g.name, 0),
             plain_forward_transient_nbytes=mem.plain_fwd_transient.get(g.name, 0),
@@ -149,7 +140,7 @@ def profile_model(
             calibration=m.calibration,
         )
     blocks_grads = sum(gp.grad_nbytes * gp.num_blocks for gp in gprofs.values())
-    nonblock_grads = max(0, _grad_nbytes([base]) - blocks_grads)
+    nonblock_grads = max(0, grad_nbytes([base]) - blocks_grads)
     timeline = mem.timeline
     shapes = {k: list(v.shape) for k, v in sample_batch.items() if isinstance(v, torch.Tensor)}
     dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)

@@ -6,6 +6,7 @@ against before it runs (`profiler.memory`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,18 @@ class StepMemory:
     measured_backward: bool = True
     timeline: Timeline | None = None  # the full-recomputation step, block by block
     skipped: list[str] = field(default_factory=list)  # runs predicted not to fit the room
+
+
+def grad_nbytes(modules: Iterable[nn.Module]) -> int:
+    """Gradient bytes of the trainable parameters of `modules`, each once, whole (a ZeRO-3
+    partition counts its ``ds_numel``)."""
+    seen, total = set(), 0
+    for m in modules:
+        for p in m.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                total += (getattr(p, "ds_numel", 0) or p.numel()) * p.element_size()
+    return total
 
 
 def _trainable_nbytes(base: nn.Module) -> int:
@@ -91,8 +104,7 @@ def skipped_plain(mem: StepMemory, g: BlockGroup, ops: list[OpSpec], casts: int)
     mem.full[g.name] = mem.held[g.name] + _saved_nbytes(ops) + casts
     mem.plain_casts[g.name] = casts
     mem.plain_fwd_transient[g.name] = _saved_nbytes(ops) + casts + largest
-    grads = sum(p.numel() * p.element_size() for p in g.modules[0].parameters() if p.requires_grad)
-    mem.plain_transient[g.name] = grads + largest + out
+    mem.plain_transient[g.name] = grad_nbytes([g.modules[0]]) + largest + out
 
 
 def timeline_head(
