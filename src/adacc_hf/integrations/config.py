@@ -11,7 +11,7 @@ import torch
 from ..codecs import CodecError, get_codec
 from ..errors import AdaccError
 from ..schema import HEADS
-from ..solver import HEADROOM, MAX_GRAD_ERROR
+from ..solver import MAX_GRAD_ERROR
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: The fields of `AdaccConfig` that are `solver.estimate_static_memory` options of the same name.
@@ -67,9 +67,9 @@ class AdaccConfig:
     # counted twice)
     zero_buckets: int | None = None
     profile_repeats: int = 3
-    # Fraction of the budget above static memory the solver leaves free for batch-to-batch
-    # variation (int4_outlier sizes vary by block and batch) and fragmentation.
-    headroom: float = HEADROOM
+    # Fraction of the budget above static memory the solver leaves free; None: 0.03 where the
+    # step model is not exact (CUDA's allocator, MoE routing), 0 where it is (`solver.headroom`).
+    headroom: float | None = None
     # Pick the micro-batch (and accumulation, keeping the global batch) with the best predicted
     # tokens/s under the budget (`autobatch.choose_micro_batch`): `prepare` and `AdaccTrainer`.
     auto_batch_size: bool = False
@@ -78,7 +78,7 @@ class AdaccConfig:
     expandable_segments: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 <= self.headroom < 0.5:
+        if self.headroom is not None and not 0 <= self.headroom < 0.5:
             raise AdaccError(f"headroom must be in [0, 0.5), got {self.headroom}")
         if self.codecs is not None:
             for name in self.codecs:

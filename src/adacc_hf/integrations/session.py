@@ -38,6 +38,7 @@ from ..schema import Profile
 from ..solver import (
     StaticMemory,
     estimate_static_memory,
+    headroom_for,
     least_memory_policy,
     parse_budget,
     planned_budget,
@@ -162,7 +163,8 @@ class AdaccSession(StepHooks):
             accumulation=acc,
             head=c.head,
         )
-        policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=budget, headroom=c.headroom)
+        headroom = headroom_for(profile) if c.headroom is None else c.headroom
+        policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=budget, headroom=headroom)
         return policy
 
     def key_of(self, batch: Mapping[str, Any]) -> ShapeKey:

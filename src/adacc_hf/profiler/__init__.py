@@ -25,6 +25,7 @@ from torch import nn
 
 from .._version import __version__
 from ..adapters import get_adapter, unwrap_model
+from ..runtime.checkpoint import frame_nbytes
 from ..runtime.peak import storage_nbytes
 from ..runtime.trace import autocast_context, devices_of, run_representatives
 from ..schema import GroupProfile, Profile
@@ -135,6 +136,7 @@ def profile_model(
             forward_transient_nbytes=mem.block_fwd_transient.get(g.name, 0),
             plain_forward_transient_nbytes=mem.plain_fwd_transient.get(g.name, 0),
             full_interior_nbytes=mem.full_interior.get(g.name, 0),
+            frame_nbytes=frame_nbytes(device.type),
             plain_cast_nbytes=mem.plain_casts.get(g.name, 0),
             dispatch_ms=m.dispatch_ms,
             calibration=m.calibration,

@@ -14,6 +14,7 @@ op list, variant, call signature) and kept across policy switches (per-bucket pl
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any
@@ -26,6 +27,7 @@ from ..codecs import Codec, get_codec
 from ..errors import AdaccError
 from ..schema import Action, GroupPolicy, Variant
 from .modes import _Run
+from .peak import AllocationTracker
 from .slots import SlotTable, call_signature, spec_signature
 
 logger = logging.getLogger("adacc_hf")
@@ -151,3 +153,18 @@ class BlockRuntime:
         if what not in self._warned:
             self._warned.add(what)
             logger.warning("adacc: block %s: %s", self.path, detail)
+
+
+@functools.cache
+def frame_nbytes(device_type: str) -> int:
+    """Bytes one checkpointed block holds on a `device_type` device besides the tensors it saves:
+    torch's checkpoint stashes the generators' states to replay dropout in recompute
+    (``preserve_rng_state``). Those are host tensors, so they count only where the device is the
+    host (CPU: its generator's state, measured here with the step meter on one tiny checkpoint)."""
+    if device_type != "cpu":
+        return 0
+    x = torch.zeros(64, requires_grad=True)
+    with torch.enable_grad(), AllocationTracker("cpu") as tracker:
+        y = checkpoint(torch.sin, x, use_reentrant=False, preserve_rng_state=True)
+        tracker.mark("held")
+    return max(0, tracker.level("held") - y.untyped_storage().nbytes())

@@ -75,6 +75,9 @@ class GroupProfile:
     forward_transient_nbytes: int = 0  # peak of a checkpointed block's forward above its start
     plain_forward_transient_nbytes: int = 0  # the same for a block without checkpointing
     full_interior_nbytes: int = 0  # held by a plain block followed by a plain one (0: unknown)
+    # held by a checkpointed block's checkpoint besides the tensors it saves: the generator state
+    # stashed to replay dropout (host memory: counted on a CPU device; `runtime.checkpoint`)
+    frame_nbytes: int = 0
     # Of a plain block's bytes, autocast's parameter casts: alive in the weight-cast cache through
     # forward under any policy, so they add to the step only from backward on.
     plain_cast_nbytes: int = 0

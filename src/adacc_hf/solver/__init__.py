@@ -6,22 +6,21 @@
     predict(profile, policy, static.total).peak_nbytes  # the cost model's view of any policy
 
 Rooms: `budget` (specs -> bytes), `static` (parameters, gradients, optimizer states),
-`cost_model` (bytes, time and peak of any policy), `milp` (the LP), `realise` (counts -> policy),
+`cost_model` (bytes, time and peak of any policy), `headroom` (the budget planned for), `milp` (the LP), `realise` (counts -> policy),
 `plan` (`solve`: the whole request).
 """
 
 from .budget import describe_budget, parse_budget
 from .cost_model import (
-    HEADROOM,
     MAX_GRAD_ERROR,
     Prediction,
     budget_between,
     grad_error_of,
     min_budget,
     no_checkpoint_budget,
-    planned_budget,
     predict,
 )
+from .headroom import HEADROOM, headroom_for, planned_budget
 from .plan import Solution, least_memory_policy, solve, solve_policy
 from .static import StaticMemory, estimate_static_memory, measured_static_memory
 from .step import StepEstimate, step_peak
@@ -37,6 +36,7 @@ __all__ = [
     "describe_budget",
     "estimate_static_memory",
     "grad_error_of",
+    "headroom_for",
     "least_memory_policy",
     "measured_static_memory",
     "min_budget",

@@ -184,7 +184,7 @@ def evaluate(
     held, ms, transient = 0, [], 0
     for gm in groups:
         g, kg = gm.prof, k[gm.name]
-        held += (g.num_blocks - kg) * g.full_nbytes + kg * g.input_nbytes
+        held += (g.num_blocks - kg) * g.full_nbytes + kg * (g.input_nbytes + g.frame_nbytes)
         ms.append(kg * g.fixed_ms)
         keeping = 0  # blocks that keep any op: realisation puts kept actions first
         for op, choices in gm.ops:
@@ -246,42 +246,8 @@ def budget_between(
     return int(low.peak_nbytes + fraction * (high.peak_nbytes - low.peak_nbytes))
 
 
-#: Share of the activation budget (budget - static) left free by default: int4_outlier sizes vary
-#: from block to block and batch to batch (the profile measures one block), and allocators
-#: fragment.
-HEADROOM = 0.03
 #: Default bound on a block's gradient error (`grad_error_of`; AdaccConfig.max_grad_error).
 MAX_GRAD_ERROR = 0.1
-
-
-def planned_budget(
-    budget_nbytes: int,
-    static: int | StaticMemory,
-    profile: Profile,
-    headroom: float = HEADROOM,
-    accumulation: int = 1,
-    head: str = "full",
-    reserve: int = 0,
-) -> int:
-    """The budget to solve for: `reserve` bytes below the budget (what the device showed it does
-    not hold: `integrations.guard`, `integrations.oom`), and `headroom` of the share left after
-    static memory kept free, unless that fits no checkpointing at all (nothing data-dependent
-    then), with the LM head run as `head` (or any measured way for "auto"). Never below the least
-    step peak where the budget itself holds it: at the tight end only the policies holding the
-    least fit, and they hold no codec output whose size varies (the step model predicts them as
-    measured), so the budget below full recomputation's peak stays free rather than filled with
-    compressed outputs the headroom was meant to cover; and a reserve larger than the activation
-    share leaves full recomputation, not an infeasible plan."""
-    peaks = [
-        extreme_peaks(profile, static, accumulation, h) for h in candidate_heads(profile, head)
-    ]
-    low = min(p[0].peak_nbytes for p in peaks)
-    room = budget_nbytes - max(0, reserve)
-    if room >= min(p[1].peak_nbytes for p in peaks):
-        return room
-    total = static.total if isinstance(static, StaticMemory) else int(static)
-    planned = room - int(max(0, room - total) * headroom)
-    return min(budget_nbytes, max(planned, low))
 
 
 def head_transient(profile: Profile) -> int:

@@ -8,7 +8,7 @@ compress with codec c (encode + decode ms, encoded bytes), recompute (``fwd_ms``
 
     minimise   sum_g [K_g fixed_ms_g + V_g dispatch_ms_g + sum_{i,a} y t] + 1e-6 sum_g K_g
                + 1e-9 H
-    subject to H = sum_g [(N_g - K_g) full_g + K_g input_g + sum_{i,a} y m]
+    subject to H = sum_g [(N_g - K_g) full_g + K_g (input_g + frame_g) + sum_{i,a} y m]
                H <= caps.all,   H + T <= caps.blocks,
                K_g <= N_g z_g,   T >= transient_g z_g,   N_g - K_g <= N_g p_g,
                T >= plain_transient_g p_g
@@ -201,7 +201,8 @@ def solve_lp(
             scale = n
         k_vars[gm.name] = (k, scale)
         objective.append((g.fixed_ms + EPS_BLOCK_MS) * scale * k)
-        held.append(n * g.full_nbytes / MiB - (g.full_nbytes - g.input_nbytes) / MiB * scale * k)
+        checkpointed = g.input_nbytes + g.frame_nbytes
+        held.append(n * g.full_nbytes / MiB - (g.full_nbytes - checkpointed) / MiB * scale * k)
         y_vars[gm.name] = []
         d_ms = dispatch_ms(g)
         w = _var(prob, f"w{gi}", 0, 1, pulp.LpBinary) if d_ms > 0 else None

@@ -19,7 +19,8 @@ what the policy changes, block by block:
     optimizer   resident + gradients + the optimizer step's temporaries
 
 ``resident`` = parameters, buffers, optimizer states, master weights and the batch; ``d_i`` = what
-block i holds under the policy minus what it holds under full recomputation; ``f_i`` = ``d_i`` less
+block i holds under the policy minus what it holds under full recomputation (its checkpoint's
+frame included: the generator state stashed for recompute, ``frame_nbytes``); ``f_i`` = ``d_i`` less
 a plain block's parameter casts (autocast's cache holds them through forward under any policy). A checkpointed
 block's transients are the measured ones, plus in forward what it keeps (minus in backward: its
 recompute hands kept outputs back instead of rerunning them, though one unsaved output at a time
@@ -206,14 +207,16 @@ def step_peak(
     unsharded = profile.nonblock_grad_nbytes + sum(g.grad_nbytes for g in groups)
     acc = max(grads, unsharded) if accumulation > 1 else 0
     # What each block holds beyond full recomputation. A checkpointed block's held counts its
-    # group's mean input; a kept output of its own counts only where full recomputation would not
+    # group's mean input; a plain block holds no checkpoint frame (`GroupProfile.frame_nbytes`); a kept output of its own counts only where full recomputation would not
     # hold it anyway (the last block's output, read by the head, is often not held).
     shared_extra = [
         max(0, b.kept_shared - h) if b.checkpoint else 0
         for b, h in zip(blocks, tl.held, strict=True)
     ]
     delta = [
-        (b.held - g.input_nbytes + extra) if b.checkpoint else _plain_held(blocks, groups, j) - h
+        (b.held - g.input_nbytes + extra)
+        if b.checkpoint
+        else _plain_held(blocks, groups, j) - h - g.frame_nbytes
         for j, (b, g, h, extra) in enumerate(
             zip(blocks, groups, tl.held, shared_extra, strict=True)
         )
@@ -290,7 +293,7 @@ def lp_caps(
     groups = _groups_in_order(profile)
     unsharded = profile.nonblock_grad_nbytes + sum(g.grad_nbytes for g in groups)
     acc = max(grads, unsharded) if accumulation > 1 else 0
-    held = sum(tl.held)
+    held = sum(tl.held) + sum(g.frame_nbytes for g in groups)  # all blocks checkpointed
     ex = extras(static, tl, unsharded)
     at_end = max(head_peaks(profile, tl, head)) + max(ex.loss, ex.head) - held
     last = len(tl.held) - 1
