@@ -92,6 +92,14 @@ def tracking_room(
     return max(0, budget_nbytes - pred.peak_nbytes), max(0, budget_nbytes - forward)
 
 
+def tracking_reserve(profile: Profile) -> int:
+    """What a tracking step needs beside its plan to measure every codec it tracks (the largest
+    measurement and the stats buffer): an adaptive session's plans keep it free (0 when nothing
+    is worth tracking)."""
+    tracker = OutlierTracker(profile)
+    return tracker.largest_nbytes + tracker.buffer_nbytes if tracker.rows else 0
+
+
 @dataclass(frozen=True)
 class CodecStats:
     """What tracking measured of one (group, op, codec), over `n` samples."""
@@ -139,6 +147,7 @@ class OutlierTracker:
         self.rows: dict[tuple[str, str, str], int] = {}
         granule = _GRANULE.get(profile.device.split(":")[0], 1)
         self.buffer_nbytes = 0  # the device buffer's bytes, its allocator's rounding included
+        self.largest_nbytes = 0  # the largest measurement of a tracked (op, codec)
         for g in profile.groups.values():
             for op in g.ops:
                 useful: list[Codec] = []
@@ -155,6 +164,7 @@ class OutlierTracker:
                         continue  # measuring would not fit beside the plan's forward
                     self.rows[(g.name, op.key, c.codec)] = len(self.rows)
                     self.buffer_nbytes = buffer
+                    self.largest_nbytes = max(self.largest_nbytes, tracking_nbytes(op, c))
                     useful.append(codec)
                 if useful:
                     self.codecs[(g.name, op.key)] = useful

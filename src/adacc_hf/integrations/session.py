@@ -20,10 +20,7 @@ from torch import nn
 
 from ..adapters import unwrap_model
 from ..errors import AdaccError, BudgetError
-from ..evolution import (
-    OutlierTracker,
-    TrackingSchedule,
-)
+from ..evolution import OutlierTracker, TrackingSchedule, tracking_reserve
 from ..policy import Policy
 from ..policy.display import describe, metrics
 from ..profiler import BlockProbe, measure_policy, profile_model
@@ -143,12 +140,13 @@ class AdaccSession(StepHooks):
         self, profile: Profile, reserve: int = 0, max_grad_error: float | None = None
     ) -> Policy:
         """The policy for `profile` under the session's budget (keeping `headroom` free, and
-        `reserve` bytes below it: what the allocator reserved over the budget, `guard`), its
-        blocks' gradient error bounded by `max_grad_error` (default: the config's)."""
+        `reserve` bytes below it: what the allocator reserved over the budget, `guard`; adaptive,
+        also the room its tracking steps measure codecs in), its blocks' gradient error bounded
+        by `max_grad_error` (default: the config's)."""
         c, static = self.config, self._static()
         acc = c.gradient_accumulation_steps
         budget = self._budget()
-        reserve += self.oom_reserve_nbytes
+        reserve += self.oom_reserve_nbytes + (tracking_reserve(profile) if c.adaptive else 0)
         planned = planned_budget(budget, static, profile, c.headroom, acc, c.head, reserve)
         policy = solve_policy(
             profile,
