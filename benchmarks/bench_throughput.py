@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.harness import env, report
 from benchmarks.harness.models import PRESETS, find_specs
 from benchmarks.harness.plots import throughput_plots
-from benchmarks.harness.strategies import MAIN, SEARCHED, check_names
+from benchmarks.harness.strategies import MAIN, SEARCHED, check_names, unavailable
 from benchmarks.harness.throughput import bench_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     env.set_threads(device, args.threads)
     allocator = env.cache_freed_memory(device, not args.system_allocator)
     check_names(args.strategies, (*MAIN, *SEARCHED))
+    skipped = unavailable(args.strategies, device)
+    for name, why in skipped.items():
+        print(f"skipping {name}: {why}", flush=True)
+    args.strategies = [n for n in args.strategies if n not in skipped]
     specs = find_specs(args.preset, args.models)
     Path(args.results).mkdir(parents=True, exist_ok=True)
     skip = ("results", "out", "report")
@@ -148,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "allocator": allocator,
         "settings": {k: v for k, v in vars(args).items() if k not in skip},
         "rules": rules(device.type == "cuda"),
+        "skipped_strategies": skipped,
         "models": {},
     }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -252,7 +254,7 @@ def test_every_strategy_leaves_the_model_unpatched_and_its_gradients_unchanged(f
     profiles = profile_for(model, batch, repeats=1)
     lo, hi = budget_range(profiles.adacc, static)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    names = list(S.REGISTRY)
+    names = [n for n in S.REGISTRY if n not in S.unavailable(list(S.REGISTRY), model.device)]
     built = S.build(
         names, model, batch, budget_nbytes=(lo + hi) // 2, static_nbytes=static, profiles=profiles
     )
@@ -286,6 +288,58 @@ def test_the_compiled_baseline_trains_like_eager_and_leaves_the_model_unpatched(
         assert got.keys() == eager.keys()
         for k in got:
             torch.testing.assert_close(got[k], eager[k], rtol=1e-4, atol=1e-5)
+
+
+_LIGER_RUN = """
+import torch
+from adacc_hf import assets
+from benchmarks.harness import strategies as S
+from benchmarks.harness.patching import patch_state
+
+model = assets.tiny_model("llama", seed=0)  # train mode: Liger fuses only there
+batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=16)
+batch["labels"] = batch["input_ids"]
+state = patch_state(model)
+out = {}
+for name in ("hf_full", "hf_full_liger"):
+    with S.prepare(name, model, batch) as s:
+        torch.manual_seed(0)  # the same dropout draws
+        o = model(**batch)
+        o.loss.backward()
+        out[name] = (o.loss.detach(), o.logits, model.lm_head.weight.grad.clone(), s.label)
+        model.zero_grad(set_to_none=True)
+    assert patch_state(model) == state, name
+(l0, logits0, g0, _), (l1, logits1, g1, label) = out["hf_full"], out["hf_full_liger"]
+assert logits0 is not None and logits1 is None, "Liger's head materialises no logits"
+assert "Liger" in label
+torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5)
+print("ok", float(l0), float(l1))
+"""
+
+
+def test_the_liger_baseline_trains_like_the_model_and_leaves_it_unpatched(tmp_path):
+    """``hf_full_liger``: transformers' checkpointing with Liger's fused linear cross-entropy (run
+    by Triton's interpreter on a CPU, in a process of its own: the interpreter is picked when the
+    kernels are defined): no logits, the loss and the head's gradient of the model's own head (to
+    float tolerance: Liger's chunks reduce in another order), the model as it was after. Off a GPU a benchmark run
+    skips it, saying why."""
+    pytest.importorskip("liger_kernel", reason="pip install 'adacc-hf[dev]' (liger-kernel)")
+    assert (
+        "Triton GPU kernels"
+        in S.unavailable(["hf_full_liger"], torch.device("cpu"))["hf_full_liger"]
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = f"import sys; sys.path.append({str(REPO)!r})\n" + _LIGER_RUN
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=tmp_path,  # not the checkout: its kernels/ would shadow HF's `kernels`
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
 
 
 def test_leaving_a_strategy_detects_a_patch_left_behind():

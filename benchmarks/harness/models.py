@@ -117,7 +117,12 @@ PRESETS: dict[str, list[ModelSpec]] = {
     # Optional on CPU (~30 min a budget): the real SmolLM2-135M, 4 x 256 (issue 30's setting).
     "cpu-smollm2": [
         ModelSpec(
-            "smollm2-135m-cpu", "smollm2", {}, seq_len=256, batch_sizes=(4,), main_batch=4,
+            "smollm2-135m-cpu",
+            "smollm2",
+            {},
+            seq_len=256,
+            batch_sizes=(4,),
+            main_batch=4,
             max_batch_cap=32,
         )
     ],

@@ -3,7 +3,8 @@
 `patch_state` fingerprints every module's checkpointing attributes, hook ids and training flag;
 `snapshot` / `restore` put the attributes back. A prepared strategy (`prepared.Prepared`) takes
 both around every entry and raises `PatchLeftError` when leaving did not restore the fingerprint.
-`hf_enable` / `hf_disable` switch transformers' activation checkpointing as a user does.
+`hf_enable` / `hf_disable` switch transformers' activation checkpointing as a user does;
+`liger_enable` / `liger_disable` Liger-Kernel's fused linear cross-entropy head.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from typing import Any
 
 import torch
@@ -139,3 +141,36 @@ def hf_disable(model: nn.Module) -> None:
     # transformers adds an input-embedding hook on enable and removes it on disable only for PEFT
     with contextlib.suppress(AttributeError):  # older versions: no hook, no attribute
         model.disable_input_require_grads()
+
+
+def liger_unavailable(device: torch.device) -> str:
+    """Why Liger-Kernel's fused linear cross-entropy cannot be a baseline on `device` ("": it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (
+            "Liger's kernels are Triton GPU kernels: on a CPU only Triton's interpreter runs them "
+            "(TRITON_INTERPRET=1), as NumPy, whose time and memory say nothing of a GPU's"
+        )
+    return ""
+
+
+def liger_enable(model: nn.Module) -> None:
+    """Liger's fused linear cross-entropy on `model`, as transformers' ``use_liger_kernel=True``
+    applies it (the same entry point), its other kernels left off: the LM head and loss run chunk
+    by chunk, the logits never materialised. `liger_disable` takes it off."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    before = model.__dict__.get("forward")
+    off = ("cross_entropy", "rms_norm", "swiglu", "rope", "layer_norm", "geglu")
+    _apply_liger_kernel_to_instance(
+        model=model, fused_linear_cross_entropy=True, **dict.fromkeys(off, False)
+    )
+    if model.__dict__.get("forward") is before:
+        raise ValueError(f"Liger has no fused linear cross-entropy for {model.config.model_type!r}")
+
+
+def liger_disable(model: nn.Module) -> None:
+    model.__dict__.pop("forward", None)  # Liger patches the instance's forward only

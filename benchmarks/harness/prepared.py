@@ -28,7 +28,16 @@ from adacc_hf.integrations.session import AdaccSession
 from adacc_hf.schema import ActionKind
 
 from .adacc import Profiles, profile_for, solved_session
-from .patching import check_unchanged, hf_disable, hf_enable, patch_state, restore, snapshot
+from .patching import (
+    check_unchanged,
+    hf_disable,
+    hf_enable,
+    liger_disable,
+    liger_enable,
+    patch_state,
+    restore,
+    snapshot,
+)
 
 
 class Strategy(Protocol):
@@ -135,20 +144,32 @@ class NoCheckpointing(Prepared):
 
 class HFCheckpointing(Prepared):
     """transformers' activation checkpointing of every layer (``offload``: saved on the CPU;
-    ``every_n``: only every n-th layer, the others keep their activations)."""
+    ``every_n``: only every n-th layer, the others keep their activations; ``liger``: with
+    Liger-Kernel's fused linear cross-entropy head)."""
 
     uniform_equivalent = "recompute"
 
-    def __init__(self, *args: Any, offload: bool = False, every_n: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        offload: bool = False,
+        every_n: int = 1,
+        liger: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.offload, self.every_n = offload, every_n
-        if every_n > 1:
-            self.uniform_equivalent = None  # a mix per layer: no uniform policy amounts to it
+        self.offload, self.every_n, self.liger = offload, every_n, liger
+        if every_n > 1 or liger:
+            self.uniform_equivalent = None  # no uniform policy (of the model's head) amounts to it
 
     def install(self) -> None:
         hf_enable(self.model, offload=self.offload, every_n=self.every_n)
+        if self.liger:
+            liger_enable(self.model)
 
     def uninstall(self) -> None:
+        if self.liger:
+            liger_disable(self.model)
         hf_disable(self.model)
 
 

@@ -10,7 +10,8 @@ budget; entering one installs it, leaving restores the model exactly::
         train_step(model, batch, optimizer, s)      # benchmarks.harness.steps
 
 `MAIN` is what users run today (no checkpointing, transformers' full checkpointing with and
-without CPU offload, Megatron-style selective recompute, naive INT4 on every saved activation)
+without CPU offload or Liger's fused linear cross-entropy head (GPU), Megatron-style selective
+recompute, naive INT4 on every saved activation)
 and Adacc (static, with evolution, without outlier separation). The accuracy suite adds two fixed
 policies that compress every saved activation, to show what the codecs themselves cost in loss.
 """
@@ -22,12 +23,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 
 from adacc_hf import Policy, attention_recompute_policy, uniform_policy
 from adacc_hf.schema import CODEC_FOR_LAYER, LAYER_TYPES
 
 from .adacc import NO_OUTLIER_CODEC, Profiles, profile_for
+from .patching import liger_unavailable
 from .prepared import (
     CompiledBudget,
     EvolvingPolicy,
@@ -50,6 +53,8 @@ class Strategy:
     kind: Callable[..., Prepared]  # `Prepared` subclass (options bound): install / uninstall
     budgeted: bool = False  # its policy is solved per budget
     accuracy_only: bool = False  # only the accuracy suite runs it
+    # why it cannot run on a device ("": it can); None: it runs anywhere
+    unavailable: Callable[[torch.device], str] | None = None
 
 
 # fixed policies (rules over a traced model)
@@ -83,6 +88,12 @@ REGISTRY: dict[str, Strategy] = {
             "hf_offload", "HF checkpointing + CPU offload", partial(HFCheckpointing, offload=True)
         ),
         Strategy(
+            "hf_full_liger",
+            "HF full checkpointing + Liger fused linear CE",
+            partial(HFCheckpointing, liger=True),
+            unavailable=liger_unavailable,
+        ),
+        Strategy(
             "megatron", "Megatron selective (attention core)", _rule(attention_recompute_policy)
         ),
         Strategy("naive_int4", "naive INT4 on all activations", _rule(naive_int4)),
@@ -110,6 +121,16 @@ REGISTRY: dict[str, Strategy] = {
 }
 #: What the throughput suites compare, in the order tables and plots show.
 MAIN: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if not s.accuracy_only)
+
+
+def unavailable(names: list[str], device: torch.device) -> dict[str, str]:
+    """Of `names`, those that cannot run on `device`, with why (a run skips them, saying so)."""
+    out = {}
+    for n in names:
+        why_not = REGISTRY[n].unavailable if n in REGISTRY else None
+        if why_not is not None and (why := why_not(device)):
+            out[n] = why
+    return out
 
 
 def label(name: str) -> str:
