@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import random
-import statistics
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,11 +33,11 @@ if not torch.cuda.is_available():  # DeepSpeed (imported by accelerate) warns wh
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import transformers  # noqa: E402
+from common import step_ms  # noqa: E402  (examples/common.py)
 from transformers import Trainer  # noqa: E402
 
 from adacc_hf import (  # noqa: E402
     AdaccTrainingArguments,
-    Policy,
     apply_adacc,
     estimate_static_memory,
     measure_step_peak,
@@ -64,27 +63,6 @@ def pad_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
         ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
         mask[i, : len(r["input_ids"])] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
-def step_ms(model, batches, policies: list[Policy], opt, amp, repeats: int) -> list[float]:
-    """Median time of one training step (forward + backward of each micro-batch, no optimizer)
-    under each policy, the policies interleaved round by round (the first round warms up), each
-    round starting with the next policy, so none always follows the same one."""
-    times: list[list[float]] = [[] for _ in policies]
-    for i in range(repeats + 1):
-        for j in range(len(policies)):
-            k = (i + j) % len(policies)
-            policy = policies[k]
-            with apply_adacc(model, policy):
-                t0 = time.perf_counter()
-                for b in batches:
-                    with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
-                        loss = model(**b).loss / len(batches)
-                    loss.backward()
-                if i:
-                    times[k].append((time.perf_counter() - t0) * 1e3)
-            opt.zero_grad(set_to_none=True)
-    return [statistics.median(t) for t in times]
 
 
 def main() -> None:

@@ -9,7 +9,9 @@ length bucket under the run's autocast (SFTConfig's default bf16) and TRL's own 
 solves a per-op policy for the budget and trains. The budget
 defaults to 30 % of the way from HF full checkpointing's measured step peak to no
 checkpointing's, at the run's longest batch. Afterwards one step of each planned bucket is
-measured under its policy (every allocation tracked) against the budget.
+measured under its policy (every allocation tracked) against the budget, and at the longest
+bucket TRL's own loss runs beside full recomputation (SFTConfig's default), no checkpointing and
+Adacc: each step's peak and time, interleaved.
 
     python examples/sft_trl.py                       # 4 steps, batch 2 x up to 128 tokens
     python examples/sft_trl.py --packing --steps 6   # padding-free: [1, 2 x 128] per batch
@@ -28,9 +30,16 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import datasets
 import torch
+from common import step_ms  # examples/common.py
 from trl import SFTConfig, SFTTrainer
 
-from adacc_hf import AdaccCallback, apply_adacc, estimate_static_memory, measure_step_peak
+from adacc_hf import (
+    AdaccCallback,
+    apply_adacc,
+    estimate_static_memory,
+    measure_step_peak,
+    uniform_policy,
+)
 from adacc_hf.assets import load_smollm2, shakespeare_text
 from adacc_hf.integrations.shapes import padded
 
@@ -86,6 +95,7 @@ def main() -> None:
     p.add_argument("--budget", default=None, help="memory budget, e.g. '1.5GiB' (default: derived)")
     p.add_argument("--budget-fraction", type=float, default=0.3)
     p.add_argument("--output-dir", default="outputs/sft_trl")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds of the comparison")
     args = p.parse_args()
     torch.manual_seed(0)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
@@ -164,6 +174,30 @@ def main() -> None:
             peak = measure_step_peak(model, padded(batch, key, 0), trainer.optimizer, autocast=amp)
         fits = "fits" if peak.peak_nbytes <= budget_nbytes else "OVER"
         print(f"{'x'.join(map(str, key[:-1])):>12s} {mib(peak.peak_nbytes):>18s}  {fits}")
+
+    # TRL's own loss (its chunked nll LM head: Adacc's chunked head stands down) under what
+    # SFTConfig's default checkpointing does, under none and under Adacc, at the longest bucket.
+    key, batch = max(seen.items())
+    batch = padded(batch, key, 0)
+    named = [
+        ("TRL's loss + full recomputation (SFTConfig's default)", uniform_policy(model, "recompute", batch)),
+        ("TRL's loss, no checkpointing", uniform_policy(model, "retain", batch)),
+        ("TRL's loss + Adacc", session.plans[key].policy),
+    ]  # fmt: skip
+    peaks = []
+    for _, policy in named:
+        with apply_adacc(model, policy):
+            peaks.append(measure_step_peak(model, batch, trainer.optimizer, autocast=amp))
+    times = step_ms(model, [batch], [p for _, p in named], trainer.optimizer, amp, args.repeats)
+    print(
+        f"\nat {'x'.join(map(str, key[:-1]))} (step: forward + backward, median of {args.repeats})"
+    )
+    for (name, _), peak, ms in zip(named, peaks, times, strict=True):
+        fits = "fits" if peak.peak_nbytes <= budget_nbytes else "over"
+        print(
+            f"{name:55s} {mib(peak.peak_nbytes):>11s} {fits:4s} {ms:7.0f} ms "
+            f"{times[0] / ms:5.2f}x the default"
+        )
     session.close()
 
 

@@ -65,8 +65,10 @@ def test_adacc_plans_no_more_recompute_than_every_n_layers_where_it_fits():
     profiles: dict = {}
     for k in (2, 4):
         budget = _hf_full_peak(model, batch, opt, every_n=k)
-        config = AdaccConfig(budget=budget, adaptive=False, profile_repeats=1)
-        session = AdaccSession(model, config, profiles=profiles)
+        # adaptive, as the Trainer's default: a plan of retain / recompute keeps no tracking room
+        session = AdaccSession(
+            model, AdaccConfig(budget=budget, profile_repeats=1), profiles=profiles
+        )
         session.setup(batch)
         try:
             measured = measure_step_peak(model, batch, opt).peak_nbytes

@@ -23,7 +23,7 @@ from .codecs.base import ERROR_CHUNK
 from .policy import Policy
 from .runtime.ops import cache_target
 from .schema import CodecProfile, OpProfile, Profile
-from .solver import StaticMemory, predict
+from .solver import HEADROOM, StaticMemory, predict
 from .solver.cost_model import codec_can_pay
 
 
@@ -92,12 +92,32 @@ def tracking_room(
     return max(0, budget_nbytes - pred.peak_nbytes), max(0, budget_nbytes - forward)
 
 
-def tracking_reserve(profile: Profile) -> int:
-    """What a tracking step needs beside its plan to measure every codec it tracks (the largest
-    measurement and the stats buffer): an adaptive session's plans keep it free (0 when nothing
-    is worth tracking)."""
-    tracker = OutlierTracker(profile)
-    return tracker.largest_nbytes + tracker.buffer_nbytes if tracker.rows else 0
+def tracking_room_cap(budget_nbytes: int, static: StaticMemory) -> int:
+    """The most an adaptive session's plan keeps free for its tracking steps (`tracking_need`):
+    `HEADROOM` of the room above static memory (a measurement takes up to ~6x its op's output:
+    the payload, a decoded copy, the error's float32 pieces; what does not fit waits for a plan
+    with more room)."""
+    return int(HEADROOM * max(0, budget_nbytes - static.total))
+
+
+def tracking_need(profile: Profile, policy: Policy) -> int:
+    """What a tracking step needs beside `policy`'s peak to re-measure every lossy codec the
+    policy runs (the largest such measurement, and the stats buffer of every tracked codec): an
+    adaptive session's plan keeps it free up to `tracking_room_cap`, so the rectifier sees the
+    codecs the gradients depend on; a plan running none (retain / recompute only, planned to the
+    byte) keeps nothing free."""
+    used: set[tuple[str, str, str]] = set()
+    for name, gp in policy.groups.items():
+        for v in gp.variants:
+            if v.count and v.checkpoint:
+                used |= {(name, k, a.codec) for k, a in v.actions.items() if a.kind == "compress"}
+    largest = 0
+    for name, g in profile.groups.items():
+        for op in g.ops:
+            for c in op.codecs.values():
+                if (name, op.key, c.codec) in used and not get_codec(c.codec, **c.params).lossless:
+                    largest = max(largest, tracking_nbytes(op, c))
+    return largest + OutlierTracker(profile).buffer_nbytes if largest else 0
 
 
 @dataclass(frozen=True)
@@ -147,7 +167,6 @@ class OutlierTracker:
         self.rows: dict[tuple[str, str, str], int] = {}
         granule = _GRANULE.get(profile.device.split(":")[0], 1)
         self.buffer_nbytes = 0  # the device buffer's bytes, its allocator's rounding included
-        self.largest_nbytes = 0  # the largest measurement of a tracked (op, codec)
         for g in profile.groups.values():
             for op in g.ops:
                 useful: list[Codec] = []
@@ -164,7 +183,6 @@ class OutlierTracker:
                         continue  # measuring would not fit beside the plan's forward
                     self.rows[(g.name, op.key, c.codec)] = len(self.rows)
                     self.buffer_nbytes = buffer
-                    self.largest_nbytes = max(self.largest_nbytes, tracking_nbytes(op, c))
                     useful.append(codec)
                 if useful:
                     self.codecs[(g.name, op.key)] = useful

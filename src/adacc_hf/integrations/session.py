@@ -20,7 +20,7 @@ from torch import nn
 
 from ..adapters import unwrap_model
 from ..errors import AdaccError, BudgetError
-from ..evolution import OutlierTracker, TrackingSchedule, tracking_reserve
+from ..evolution import OutlierTracker, TrackingSchedule, tracking_need, tracking_room_cap
 from ..policy import Policy
 from ..policy.display import describe, metrics
 from ..profiler import BlockProbe, measure_policy, profile_model
@@ -146,23 +146,34 @@ class AdaccSession(StepHooks):
         c, static = self.config, self._static()
         acc = c.gradient_accumulation_steps
         budget = self._budget()
-        reserve += self.oom_reserve_nbytes + (tracking_reserve(profile) if c.adaptive else 0)
-        planned = planned_budget(budget, static, profile, c.headroom, acc, c.head, reserve)
-        policy = solve_policy(
-            profile,
-            planned,
-            static_nbytes=static,
-            codecs=c.codecs,
-            max_rel_error=c.max_codec_error,
-            max_grad_error=c.max_grad_error if max_grad_error is None else max_grad_error,
-            solver=c.solver,
-            time_limit_s=c.solver_time_limit,
-            split_blocks=c.split_blocks,
-            accumulation=acc,
-            head=c.head,
-        )
+        reserve += self.oom_reserve_nbytes
+
+        def solve(kept_free: int) -> Policy:
+            planned = planned_budget(budget, static, profile, c.headroom, acc, c.head, kept_free)
+            return solve_policy(
+                profile,
+                planned,
+                static_nbytes=static,
+                codecs=c.codecs,
+                max_rel_error=c.max_codec_error,
+                max_grad_error=c.max_grad_error if max_grad_error is None else max_grad_error,
+                solver=c.solver,
+                time_limit_s=c.solver_time_limit,
+                split_blocks=c.split_blocks,
+                accumulation=acc,
+                head=c.head,
+            )
+
+        policy, need = solve(reserve), 0
+        if c.adaptive:  # room for the rectifier to re-measure the lossy codecs the plan runs
+            need = min(tracking_need(profile, policy), tracking_room_cap(budget, static))
+            peak = policy.metadata.get("predicted", {}).get("peak_nbytes")
+            if need and peak is not None and budget - reserve - peak < need:
+                policy = solve(reserve + need)
         headroom = headroom_for(profile) if c.headroom is None else c.headroom
-        policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=budget, headroom=headroom)
+        policy.metadata.update(
+            budget_spec=str(c.budget), budget_nbytes=budget, headroom=headroom, tracking_nbytes=need
+        )
         return policy
 
     def key_of(self, batch: Mapping[str, Any]) -> ShapeKey:
