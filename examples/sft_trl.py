@@ -27,21 +27,24 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# bitsandbytes (imported by transformers) warns on CPU that its optional `kernels` hub package is
+# missing; nothing here runs 4-bit matmuls
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-import datasets
-import torch
-from common import step_ms  # examples/common.py
-from trl import SFTConfig, SFTTrainer
+import datasets  # noqa: E402
+import torch  # noqa: E402
+from common import step_ms  # noqa: E402  (examples/common.py)
+from trl import SFTConfig, SFTTrainer  # noqa: E402
 
-from adacc_hf import (
+from adacc_hf import (  # noqa: E402
     AdaccCallback,
     apply_adacc,
     estimate_static_memory,
     measure_step_peak,
     uniform_policy,
 )
-from adacc_hf.assets import load_smollm2, shakespeare_text
-from adacc_hf.integrations.shapes import padded
+from adacc_hf.assets import load_smollm2, shakespeare_text  # noqa: E402
+from adacc_hf.integrations.shapes import padded  # noqa: E402
 
 #: What TRL's SFTTrainer adds to every training forward (TRL >= 1.16: its chunked LM head).
 TRL_KWARGS = {"fused_lm_head": True, "use_cache": False}

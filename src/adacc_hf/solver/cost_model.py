@@ -40,6 +40,7 @@ from .static import StaticMemory
 from .step import (
     BlockLoad,
     StepEstimate,
+    checkpointed_nbytes,
     extreme_peaks,
     head_shift,
     held_in_order,
@@ -184,7 +185,7 @@ def evaluate(
     held, ms, transient = 0, [], 0
     for gm in groups:
         g, kg = gm.prof, k[gm.name]
-        held += (g.num_blocks - kg) * g.full_nbytes + kg * (g.input_nbytes + g.frame_nbytes)
+        held += (g.num_blocks - kg) * g.full_nbytes + kg * checkpointed_nbytes(g)
         ms.append(kg * g.fixed_ms)
         keeping = 0  # blocks that keep any op: realisation puts kept actions first
         for op, choices in gm.ops:

@@ -42,6 +42,7 @@ from ..policy.consistency import keeps_statistics, lossy
 from ..schema import OpProfile
 from .budget import MiB
 from .cost_model import Choice, GroupModel, dispatch_ms, evaluate
+from .step import checkpointed_nbytes
 
 
 @dataclass(frozen=True)
@@ -201,8 +202,8 @@ def solve_lp(
             scale = n
         k_vars[gm.name] = (k, scale)
         objective.append((g.fixed_ms + EPS_BLOCK_MS) * scale * k)
-        checkpointed = g.input_nbytes + g.frame_nbytes
-        held.append(n * g.full_nbytes / MiB - (g.full_nbytes - checkpointed) / MiB * scale * k)
+        gain = (g.full_nbytes - checkpointed_nbytes(g)) / MiB  # per block checkpointed
+        held.append(n * g.full_nbytes / MiB - gain * scale * k)
         y_vars[gm.name] = []
         d_ms = dispatch_ms(g)
         w = _var(prob, f"w{gi}", 0, 1, pulp.LpBinary) if d_ms > 0 else None

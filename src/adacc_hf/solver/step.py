@@ -293,13 +293,19 @@ def lp_caps(
     groups = _groups_in_order(profile)
     unsharded = profile.nonblock_grad_nbytes + sum(g.grad_nbytes for g in groups)
     acc = max(grads, unsharded) if accumulation > 1 else 0
-    held = sum(tl.held) + sum(g.frame_nbytes for g in groups)  # all blocks checkpointed
+    held = sum(tl.held) + sum(g.frame_nbytes for g in groups)  # every block checkpointed
     ex = extras(static, tl, unsharded)
     at_end = max(head_peaks(profile, tl, head)) + max(ex.loss, ex.head) - held
     last = len(tl.held) - 1
     in_flight = max(0, acc - (tl.grads[last] if tl.grads else 0))
     at_last = tl.backward_start[last] + ex.backward[last] - held
     return budget - resident - acc - at_end, budget - resident - in_flight - at_last
+
+
+def checkpointed_nbytes(g: GroupProfile) -> int:
+    """What a checkpointed block of `g` holds whatever its policy keeps: its input and its
+    checkpoint's frame (`GroupProfile.frame_nbytes`)."""
+    return g.input_nbytes + g.frame_nbytes
 
 
 def pinned_nbytes(g: GroupProfile) -> int:
