@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..codecs import Codec, dtype_named, get_codec, has_sentinels, payload_finite, relative_error
+from ..runtime.kept import generator_state_nbytes
 from ..runtime.ops import cache_target, storage_id, tensor_outputs
 from ..runtime.overhead import dispatch_overhead_ms
 from ..runtime.peak import AllocationTracker
@@ -115,6 +116,7 @@ def scaled(ops: list[OpSpec], outputs: list, outs: set[int], ref: GroupProfile) 
         prof = OpProfile.from_spec(
             op,
             fwd_ms=r.fwd_ms * ratio,
+            rng_nbytes=r.rng_nbytes,  # the same op, the same device
             block_output=bool(_storages(raw) & outs),
             shared_nbytes=sum(
                 t.numel() * t.element_size() for t in tensors if t.numel() and storage_id(t) in outs
@@ -203,6 +205,7 @@ def op_visitor(
             prof = OpProfile.from_spec(
                 op,
                 fwd_ms=ms,
+                rng_nbytes=op.rng_states * generator_state_nbytes(device.type),
                 block_output=bool(_storages(raw) & outs),
                 shared_nbytes=sum(
                     t.numel() * t.element_size()

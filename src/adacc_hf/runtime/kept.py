@@ -127,3 +127,11 @@ def _decode(codec: Codec, enc: Encoded, stride: tuple[int, ...]) -> torch.Tensor
         return x
     y = torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device)
     return y.copy_(x)
+
+
+def generator_state_nbytes(device_type: str) -> int:
+    """Bytes one generator state held for replay takes on a `device_type` device (the runtime's
+    forward mode stores one per random op or random fill it keeps; `unpack` restores it): a CPU
+    generator's state is a CPU tensor (5,056 bytes); a CUDA generator's is a host tensor, off the
+    device."""
+    return torch.default_generator.get_state().nbytes if device_type == "cpu" else 0

@@ -340,6 +340,7 @@ def record_block(
             shape_class=r.ranks,
             mask=r.mask,
             side_nbytes=0 if r.mask else r.side,  # a mask is kept alone (bit-packed)
+            rng_states=int(r.random) + (r.fills if r.mask and not r.random else 0),
         )
         for r, t in zip(rec.recs, types, strict=True)
     ]

@@ -167,6 +167,9 @@ class OpSpec:
     mask: bool = False  # a random keep-mask (see above)
     # what compressing the op keeps besides its codec's payload: its other outputs (see above)
     side_nbytes: int = 0
+    # generator states a kept output holds for replay: 1 for an op that draws from an RNG, one per
+    # in-place fill of a mask an RNG fills (CPU dropout: bernoulli_, then div_)
+    rng_states: int = 0
 
     @property
     def numel(self) -> int:
@@ -194,6 +197,8 @@ class OpSpec:
             d["mask"] = True
         if self.side_nbytes:
             d["side_nbytes"] = self.side_nbytes
+        if self.rng_states:
+            d["rng_states"] = self.rng_states
         return d
 
     @classmethod
@@ -210,6 +215,7 @@ class OpSpec:
             shape_class=str(obj.get("shape_class", "")),
             mask=bool(obj.get("mask", False)),
             side_nbytes=int(obj.get("side_nbytes", 0)),
+            rng_states=int(obj.get("rng_states", 0)),
         )
 
 

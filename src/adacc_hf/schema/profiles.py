@@ -42,6 +42,9 @@ class OpProfile(OpSpec):
     block_output: bool = False  # an output of this op is the block's output
     codecs: dict[str, CodecProfile] = field(default_factory=dict)
     shared_nbytes: int = 0  # bytes of its outputs held anyway (by the next block, as its input)
+    # kept (retained or compressed) by a checkpointed block, the generator state it holds for
+    # replay beside its output (a random op on a CPU device: `runtime.kept.generator_state_nbytes`)
+    rng_nbytes: int = 0
 
     @property
     def retain_nbytes(self) -> int:

@@ -106,7 +106,8 @@ def choices_for(
 
     The block's own output is not retained: that would skip one op's recompute but keep the
     output alive until the block's backward, where full recomputation has freed it."""
-    cands = [] if op.block_output else [Choice("retain", Action.retain(), 0.0, op.retain_nbytes)]
+    kept = op.retain_nbytes + op.rng_nbytes  # with the generator states replay restores
+    cands = [] if op.block_output else [Choice("retain", Action.retain(), 0.0, kept)]
     if op.layer_type in ALWAYS_RETAIN:
         return cands
     statistic = keeps_statistics(op)
@@ -125,7 +126,7 @@ def choices_for(
                 f"compress:{name}",
                 Action.compress(name, **cp.params),
                 cp.ms,
-                cp.nbytes + op.side_nbytes,  # the op's other outputs stay exact
+                cp.nbytes + op.side_nbytes + op.rng_nbytes,  # its other outputs stay exact
                 cp.grad_error or 0.0,
             )
         )
@@ -295,13 +296,14 @@ def block_loads(
                 blocks += [BlockLoad(name, g.full_nbytes, False)] * v.count
                 continue
             b, t = g.input_nbytes, [g.fixed_ms]
-            kept = kept_saved = kept_shared = enc_ws = dec_ws = 0
+            kept = kept_saved = kept_shared = enc_ws = dec_ws = rng = 0
             if any(a.kind != "recompute" for a in v.actions.values()):
                 t.append(dispatch_ms(g))
             for op in g.ops:
                 if not op.cacheable:
                     continue
                 act = v.action(op.key)
+                rng += op.rng_nbytes if act.kind != "recompute" else 0
                 if act.kind == "retain":
                     b += op.retain_nbytes
                     kept += op.retain_nbytes
@@ -320,7 +322,7 @@ def block_loads(
                     b += codec.predict_nbytes(op.shape, dtype_named(op.dtype)) + op.side_nbytes
                     unprofiled.append(f"{name}/{op.key}:{act.codec}")
             key = variant_key(name, v)
-            load = BlockLoad(name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key)
+            load = BlockLoad(name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key, rng)
             blocks += [load] * v.count
             timed = profile.variant_ms.get(key) if measured_ms else None
             ms.append((math.fsum(t) if timed is None else timed) * v.count)

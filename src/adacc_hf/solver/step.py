@@ -54,6 +54,7 @@ class BlockLoad:
     encode_workspace: int = 0
     decode_workspace: int = 0
     variant: str = ""  # its action table's key in ``Profile.variant_transients``
+    rng: int = 0  # generator states its kept random ops hold (not in `held`: no recorder sees them)
 
 
 @dataclass
@@ -214,7 +215,7 @@ def step_peak(
         for b, h in zip(blocks, tl.held, strict=True)
     ]
     delta = [
-        (b.held - g.input_nbytes + extra)
+        (b.held - g.input_nbytes + extra + b.rng)
         if b.checkpoint
         else _plain_held(blocks, groups, j) - h - g.frame_nbytes
         for j, (b, g, h, extra) in enumerate(
