@@ -170,7 +170,7 @@ class AdaccSession(StepHooks):
             peak = policy.metadata.get("predicted", {}).get("peak_nbytes")
             if need and peak is not None and budget - reserve - peak < need:
                 policy = solve(reserve + need)
-        headroom = headroom_for(profile) if c.headroom is None else c.headroom
+        headroom = headroom_for(profile, acc, c.head) if c.headroom is None else c.headroom
         policy.metadata.update(
             budget_spec=str(c.budget), budget_nbytes=budget, headroom=headroom, tracking_nbytes=need
         )
