@@ -31,9 +31,11 @@ from ..runtime.allocator import use_expandable_segments
 from ..runtime.capacity import oom_count
 from ..runtime.peak import live_state_nbytes, storage_nbytes
 from ..runtime.sharded import forwards_without_backward
+from ..runtime.trace import outside_autocast
 from ..schema import Profile
 from ..solver import (
     StaticMemory,
+    budget_window,
     estimate_static_memory,
     headroom_for,
     least_memory_policy,
@@ -93,6 +95,8 @@ class AdaccSession(StepHooks):
         self.static: StaticMemory | None = None
         self.budget_nbytes: int | None = None
         self.autocast: torch.dtype | None = self.config.autocast
+        # plans and profiles made under another autocast than the forwards now run under
+        self._shelved: dict[torch.dtype | None, tuple[dict, dict]] = {}
         self._hook: Any = None
         self._planning = False
         self._tracker: OutlierTracker | None = None
@@ -170,7 +174,7 @@ class AdaccSession(StepHooks):
             peak = policy.metadata.get("predicted", {}).get("peak_nbytes")
             if need and peak is not None and budget - reserve - peak < need:
                 policy = solve(reserve + need)
-        headroom = headroom_for(profile, acc, c.head) if c.headroom is None else c.headroom
+        headroom = headroom_for(profile) if c.headroom is None else c.headroom
         policy.metadata.update(
             budget_spec=str(c.budget), budget_nbytes=budget, headroom=headroom, tracking_nbytes=need
         )
@@ -191,6 +195,10 @@ class AdaccSession(StepHooks):
         plan = self.plans.get(key)
         if plan is not None and not plan.stale:
             return plan
+        with outside_autocast(self.device):  # measured as the step runs: backward outside it
+            return self._replan(batch, key, plan)
+
+    def _replan(self, batch: Mapping[str, Any], key: ShapeKey, plan: Plan | None) -> Plan:
         probes: dict[str, BlockProbe] = {}
         reserve = plan.reserve_nbytes if plan is not None else 0
         room = self.profiling_room(batch)
@@ -222,10 +230,16 @@ class AdaccSession(StepHooks):
                     e,
                 )
         policy.metadata["shape_key"] = list(key)
+        if not self.plans and self.coordinator.leader:  # the run's first plan: the range
+            acc, head = self.config.gradient_accumulation_steps, self.config.head
+            window = budget_window(profile, self._static(), self._budget(), acc, head)
+            logger.info("adacc %s", window)
         plan = self.plans[key] = Plan(key, policy, profile, reserve_nbytes=reserve)
         msg = f"bucket {key_text(key)}: {describe(policy)}"
         self.events.append(AdaccEvent(self.step, "policy", policy, msg, metrics(policy)))
-        logger.info("adacc plan for %s:\n%s", msg, policy.table())
+        if self.coordinator.leader:
+            logger.info("adacc plan for %s", msg)
+        logger.debug("adacc plan for %s:\n%s", key_text(key), policy.table())
         return plan
 
     def solve_measured(
@@ -293,6 +307,12 @@ class AdaccSession(StepHooks):
         # On every rank: under ZeRO-3 / FSDP these forwards all-gather parameters. Inside a
         # training forward (the hook), FSDP2's state is left to that step's backward.
         self._planning = True
+        if self.coordinator.leader:
+            logger.info(
+                "adacc: profiling bucket %s (one block per group, %d timed runs per op)...",
+                key_text(key),
+                self.config.profile_repeats,
+            )
         try:
             with forwards_without_backward(self.model):
                 return profile_model(
@@ -309,11 +329,12 @@ class AdaccSession(StepHooks):
         finally:
             self._planning = False
 
-    def setup(self, batch: Mapping[str, Any]) -> Policy:
+    def setup(self, batch: Mapping[str, Any], forward: bool = False) -> Policy:
         """Plan `batch`'s bucket (and, when ``max_seq_len`` is set, the longest one, so a budget
-        too small for it fails now) and patch the model with the plan of `batch`."""
+        too small for it fails now) and patch the model with the plan of `batch` (`forward`:
+        called as a training forward starts)."""
         if self.autocast is None:
-            self.autocast = detect_autocast(self.model, self.device)
+            self.autocast = detect_autocast(self.device, self.model if forward else None)
         use_expandable_segments(self.config.expandable_segments)
         if self.config.max_seq_len and not self.fixed:
             key = self.key_of(batch)
@@ -321,6 +342,27 @@ class AdaccSession(StepHooks):
             self.plan(batch, longest)
         self.use(self.plan(batch))
         return self.policy
+
+    def follow_autocast(self) -> None:
+        """Plan under the autocast this training forward runs under where it is not the one the
+        plans were made under (a custom loop that called `prepare` before
+        ``accelerator.prepare`` wrapped the model in its mixed precision): a policy traced in
+        another dtype would recompute every op it meant to keep. Plans of the other autocast are
+        kept for when it comes back."""
+        now = detect_autocast(self.device, self.model)
+        if self.current is None or now == self.autocast:
+            return
+        logger.info(
+            "adacc: training forwards run under autocast %s, the plans were made under %s: "
+            "planning again under %s",
+            now,
+            self.autocast,
+            now,
+        )
+        self._shelved[self.autocast] = (self.plans, self.profiles)
+        self.plans, self.profiles = self._shelved.pop(now, ({}, {}))
+        self.autocast = now
+        self.current = None
 
     def use(self, plan: Plan) -> None:
         """Run `plan`'s policy from the next forward on."""
@@ -357,8 +399,10 @@ class AdaccSession(StepHooks):
             if args:
                 batch.setdefault("input_ids", args[0])
             self.check_oom()
+            if self.config.autocast is None and not self.fixed:
+                self.follow_autocast()
             if self.current is None or not self.active:
-                self.setup(batch)
+                self.setup(batch, forward=True)
             else:
                 self.use(self.plan(batch))
             head = self.handle.head if self.handle is not None else None

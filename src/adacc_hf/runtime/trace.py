@@ -217,6 +217,36 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None, cache: boo
         torch.clear_autocast_cache()
 
 
+@contextlib.contextmanager
+def outside_autocast(device: torch.device):
+    """Run the body as if no autocast region were open on `device`'s type: a caller's region
+    (a custom loop calling the model under ``torch.autocast``, where a session plans in the
+    forward pre-hook) is suspended, its nesting level included, and restored after. Inside it
+    torch clears the weight-cast cache only when the outermost region exits, so a profiled
+    backward's recomputes kept every block's casts (T5 under bf16: 262,144 bytes over the step,
+    whose backward runs outside the region and frees each block's casts after its recompute)."""
+    kind = device.type
+    enabled = torch.is_autocast_enabled(kind)
+    levels = 0
+    while torch.autocast_decrement_nesting() >= 0:
+        levels += 1
+    torch.autocast_increment_nesting()  # back from -1 to 0
+    if not levels and not enabled:
+        yield
+        return
+    dtype = torch.get_autocast_dtype(kind)
+    torch.clear_autocast_cache()
+    torch.set_autocast_enabled(kind, False)
+    try:
+        yield
+    finally:
+        torch.clear_autocast_cache()
+        torch.set_autocast_enabled(kind, enabled)
+        torch.set_autocast_dtype(kind, dtype)
+        for _ in range(levels):
+            torch.autocast_increment_nesting()
+
+
 def detached_input(x0: Any) -> tuple[Any, Any]:
     """(leaf, what the block gets) for running a block alone on its recorded input `x0`: the
     gradient is taken with respect to the leaf; the block gets a view of it, as a block's real

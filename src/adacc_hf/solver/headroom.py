@@ -25,23 +25,20 @@ from .static import StaticMemory
 HEADROOM = 0.03
 
 
-def varies(profile: Profile, accumulation: int = 1, head: str = "full") -> str:
-    """Why a step planned from `profile` may hold more than predicted ("" when it is exact: the
-    setting the tests meter to the byte, a dense fp32 model on a CPU, one micro-batch a step, its
-    own LM head; bf16 with accumulation and the chunked head measured 2,890 bytes over a plan at
-    its budget, not yet explained)."""
+def varies(profile: Profile) -> str:
+    """Why a step planned from `profile` may hold more than predicted ("" when it is exact: a
+    dense model on a CPU, fp32 or under autocast, with or without gradient accumulation and the
+    chunked head; the tests meter those steps to the byte)."""
     if profile.device.startswith("cuda"):
         return "CUDA's caching allocator rounds and fragments"
     if any(op.layer_type in ALWAYS_RETAIN for g in profile.groups.values() for op in g.ops):
         return "expert routing differs from batch to batch"
-    if profile.autocast or "float32" not in profile.dtype or accumulation > 1 or head != "full":
-        return "autocast, gradient accumulation and the chunked head are not yet metered exact"
     return ""
 
 
-def headroom_for(profile: Profile, accumulation: int = 1, head: str = "full") -> float:
+def headroom_for(profile: Profile) -> float:
     """The default headroom (`AdaccConfig.headroom=None`): `HEADROOM` where `varies`, else 0."""
-    return HEADROOM if varies(profile, accumulation, head) else 0.0
+    return HEADROOM if varies(profile) else 0.0
 
 
 def planned_budget(
@@ -63,7 +60,7 @@ def planned_budget(
     was meant to cover; and a reserve larger than the activation share leaves full
     recomputation, not an infeasible plan."""
     if headroom is None:
-        headroom = headroom_for(profile, accumulation, head)
+        headroom = headroom_for(profile)
     peaks = [
         extreme_peaks(profile, static, accumulation, h) for h in candidate_heads(profile, head)
     ]

@@ -18,7 +18,9 @@ what the policy changes, block by block:
     tail        resident + timeline.tail_peak                          (embeddings, tied weights)
     optimizer   resident + gradients + the optimizer step's temporaries
 
-``resident`` = parameters, buffers, optimizer states, master weights and the batch; ``d_i`` = what
+``resident`` = parameters, buffers, optimizer states, master weights and the step's batches (with
+gradient accumulation the Trainer fetches every micro-batch of a step before the first forward,
+`batches_nbytes`); ``d_i`` = what
 block i holds under the policy minus what it holds under full recomputation (its checkpoint's
 frame included: the generator state stashed for recompute, ``frame_nbytes``); ``f_i`` = ``d_i`` less
 a plain block's parameter casts (autocast's cache holds them through forward under any policy). A checkpointed
@@ -179,6 +181,14 @@ def _plain_held(blocks: list[BlockLoad], groups: list[GroupProfile], j: int) -> 
     return blocks[j].held
 
 
+def batches_nbytes(profile: Profile, accumulation: int = 1) -> int:
+    """The batches alive all step long: every micro-batch of it (the Trainer's
+    ``get_batch_samples`` fetches them all before the first forward to count the step's tokens;
+    a loop that loads one at a time holds less). Unplanned, a bf16 accumulating loop measured one
+    micro-batch's tensors over its plan."""
+    return profile.batch_nbytes * max(1, accumulation)
+
+
 def held_in_order(profile: Profile, blocks: list[BlockLoad]) -> list[int]:
     """What each block (in forward order) holds for backward, a plain block's by its neighbour."""
     groups = _groups_in_order(profile)
@@ -197,7 +207,7 @@ def step_peak(
     """The moments of the module docstring for `blocks` (in forward order), the LM head and loss
     run as `head` (`schema.HEADS`)."""
     resident, grads, opt_step = split_static(static)
-    resident += profile.batch_nbytes
+    resident += batches_nbytes(profile, accumulation)
     tl = profile.timeline or synthesised_timeline(profile)
     groups = _groups_in_order(profile)
     if len(blocks) != len(tl.held):
@@ -289,7 +299,7 @@ def lp_caps(
     the end of forward / the head's backward (everything held), and for them plus one block's
     backward transient at the last block's backward."""
     resident, grads, _ = split_static(static)
-    resident += profile.batch_nbytes
+    resident += batches_nbytes(profile, accumulation)
     tl = profile.timeline or synthesised_timeline(profile)
     groups = _groups_in_order(profile)
     unsharded = profile.nonblock_grad_nbytes + sum(g.grad_nbytes for g in groups)
