@@ -10,6 +10,7 @@ that kept the short plan would fail. Tiny LLaMA, 4 blocks, CPU; the run's own op
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -254,6 +255,66 @@ def test_accelerate_with_mixed_precision_plans_the_longer_batch_within_budget():
         session, peaks = loop_metered(wrapped, opt, start, [short, long], accelerator.backward)
         assert session.autocast == bf16
         check_plans(session, peaks, budget, lambda p: step_peak(model, p, long, opt, bf16))
+
+
+def test_prepare_before_accelerate_plans_under_its_mixed_precision(caplog):
+    """README's order: `prepare` with a sample batch, then ``accelerator.prepare``. The session
+    plans under the ``Accelerator``'s bf16 (its profile traced under bf16) and the loop's steps
+    run with no adacc warning (a plan traced in fp32 has its kept ops recomputed, one warning per
+    region)."""
+    from accelerate import Accelerator
+
+    model, short, _ = tiny()
+    bf16 = torch.bfloat16
+    budget = long_budget(model, short, "adamw_torch", autocast=bf16, mixed_precision="bf16")
+    with fresh_accelerate(), caplog.at_level(logging.INFO, logger="adacc_hf"):
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        session = prepare(model, budget, short, optimizer=opt, **QUICK)
+        assert session.autocast == bf16
+        assert session.current.profile.autocast == str(bf16)
+        assert session.config.optimizer == "adamw_torch"  # read off the object
+        wrapped, opt = accelerator.prepare(model, opt)
+        for _ in range(2):
+            accelerator.backward(wrapped(**short).loss)
+            opt.step()
+            opt.zero_grad()
+        session.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "planning again" not in caplog.text
+
+
+def test_a_forward_under_another_autocast_is_planned_under_it(caplog):
+    """Planned on a sample batch with no autocast, trained under the loop's own bf16 region: the
+    first such forward plans again under bf16 (no adacc warning; a plan traced in fp32 would
+    recompute its kept ops), and the fp32 plans come back for fp32 forwards."""
+    model, short, _ = tiny()
+    bf16 = torch.bfloat16
+    budget = long_budget(model, short, "adamw_torch", autocast=bf16, mixed_precision="bf16")
+    session = prepare(model, budget, short, **QUICK)
+    assert session.autocast is None
+    fp32_plan = session.current
+    with caplog.at_level(logging.INFO, logger="adacc_hf"):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=bf16):
+                loss = model(**short).loss
+            loss.backward()
+        assert session.autocast == bf16 and session.current.profile.autocast == str(bf16)
+        model(**short).loss.backward()
+    assert session.current is fp32_plan
+    assert caplog.text.count("planning again") == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    session.close()
+
+
+def test_adacc_options_without_adacc_warn(caplog):
+    with caplog.at_level(logging.WARNING, logger="adacc_hf"):
+        AdaccTrainingArguments(output_dir="out", use_cpu=True, report_to="none")
+        assert not caplog.records
+        AdaccTrainingArguments(
+            output_dir="out", use_cpu=True, report_to="none", adacc_memory_budget="20GiB"
+        )
+    assert "adacc_memory_budget" in caplog.text and "adacc=True" in caplog.text
 
 
 # ------------------------------------------------------------------ TRL

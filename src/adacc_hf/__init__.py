@@ -34,6 +34,8 @@ from .runtime import (
 from .runtime.memory import ActivationMemory, activation_memory_report, measure_activation_memory
 from .runtime.peak import StepPeak, measure_step_peak
 from .schema import Action, OpSpec, Profile
+from .verbosity import install as _install_logging
+from .verbosity import set_verbosity
 
 _LAZY = {
     # The Trainer integration pulls in transformers.Trainer: import on first use only.
@@ -83,8 +85,11 @@ __all__ = [
     "layer_type_policy",
     "measure_activation_memory",
     "measure_step_peak",
+    "set_verbosity",
     "supported_model_types",
     "trace_model",
     "uniform_policy",
     "unwrap_model",
 ]
+
+_install_logging()

@@ -149,7 +149,14 @@ def plan(args: argparse.Namespace) -> int:
 
     from .adapters import get_adapter
     from .profiler import profile_model
-    from .solver import describe_budget, estimate_static_memory, parse_budget, solve
+    from .runtime.peak import live_state_nbytes
+    from .solver import (
+        budget_window,
+        describe_budget,
+        estimate_static_memory,
+        parse_budget,
+        solve,
+    )
 
     if (args.model is None) == (args.config is None):
         raise _BadInput("give exactly one of --model PATH or --config NAME")
@@ -160,6 +167,8 @@ def plan(args: argparse.Namespace) -> int:
     model, config = _build_model(args)
     get_adapter(model)  # fails early on an unsupported model
     model.to(device).train()
+    resident = live_state_nbytes(model)
+    budget = parse_budget(args.budget, device, resident)  # "auto" counts what the model holds
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, config.vocab_size, (args.batch_size, args.seq_len), generator=g)
     batch: dict[str, Any] = {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
@@ -168,13 +177,19 @@ def plan(args: argparse.Namespace) -> int:
     static = estimate_static_memory(model, optimizer=args.optimizer)
     codecs = args.codecs.split(",") if args.codecs else None
     t0 = time.perf_counter()
+    print(
+        f"profiling {args.batch_size} x {args.seq_len} on {device} (one block per group, "
+        f"{args.repeats} timed runs per op; minutes on a CPU)...",
+        flush=True,
+    )
     profile = profile_model(model, batch, codecs=codecs, repeats=args.repeats)
     print(
         f"profiled {profile.num_blocks} blocks on {profile.device} in "
         f"{time.perf_counter() - t0:.1f} s"
     )
     sol = solve(profile, budget, static_nbytes=static, codecs=codecs)
-    print(f"budget: {describe_budget(args.budget, device)}")
+    print(f"budget: {describe_budget(args.budget, device, resident)}")
+    print(budget_window(profile, static, budget))
     print(static.describe())
     print(sol.policy.table())
     from .solver.budget import fmt_bytes as fb

@@ -147,6 +147,17 @@ class AdaccTrainingArguments(TrainingArguments):
         typed = _typed_checkpointing(self)  # before the parent resolves the two names
         super().__post_init__()
         if not self.adacc:
+            given = [
+                f.name
+                for f in dataclasses.fields(self)
+                if f.name.startswith("adacc_") and getattr(self, f.name) != f.default
+            ]
+            if given:
+                logger.warning(
+                    "adacc options given without adacc=True (%s): Adacc is off for this run; "
+                    "add --adacc (adacc=True) to use them",
+                    ", ".join(given),
+                )
             return
         if checkpointing_on(self):
             if typed:

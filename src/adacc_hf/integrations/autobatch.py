@@ -204,7 +204,7 @@ def choose_micro_batch(
         raise AdaccError(f"auto micro-batch: the global batch must be >= 1, got {global_batch}")
     model.train()
     device = next(model.parameters()).device
-    autocast = config.autocast or detect_autocast(model, device)
+    autocast = config.autocast or detect_autocast(device)
     pad = getattr(getattr(model, "config", None), "pad_token_id", None)
     profiles = profiles if profiles is not None else {}
     static = None

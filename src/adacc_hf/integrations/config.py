@@ -125,17 +125,26 @@ class AdaccConfig:
         return MIXED_PRECISION_DTYPES.get(self.mixed_precision or "")
 
 
-def detect_autocast(model: torch.nn.Module, device: torch.device) -> torch.dtype | None:
-    """The autocast a training forward of `model` will run under, seen from a forward pre-hook:
-    an autocast region the caller entered, or Accelerate's (it wraps ``model.forward``, so its
-    autocast starts after the hooks run)."""
+def detect_autocast(
+    device: torch.device, model: torch.nn.Module | None = None
+) -> torch.dtype | None:
+    """The autocast a training forward will run under: an autocast region the caller entered,
+    or an ``Accelerator``'s mixed precision where `model`'s forward is Accelerate's (its
+    ``prepare`` wraps ``model.forward`` in autocast, which starts after the pre-hooks run). With
+    no `model` (no forward yet: `prepare` with a `sample_batch`, possibly before
+    ``accelerator.prepare``) an initialized ``Accelerator``'s mixed precision is the guess; the
+    first training forward corrects it (`AdaccSession.follow_autocast`)."""
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
-    if hasattr(model, "_original_forward"):  # accelerate.Accelerator.prepare with mixed precision
-        try:
-            from accelerate.state import AcceleratorState, is_initialized
-        except ImportError:  # pragma: no cover
-            return None
-        if is_initialized():
-            return MIXED_PRECISION_DTYPES.get(str(AcceleratorState().mixed_precision))
+    if model is not None and not hasattr(model, "_original_forward"):
+        return None
+    try:
+        from accelerate.state import AcceleratorState, is_initialized
+    except ImportError:  # pragma: no cover
+        return None
+    if is_initialized():
+        return MIXED_PRECISION_DTYPES.get(str(AcceleratorState().mixed_precision))
+    return None
+    if is_initialized():
+        return MIXED_PRECISION_DTYPES.get(str(AcceleratorState().mixed_precision))
     return None

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ..errors import AdaccError
 from ..policy import Policy
+from ..solver.static import optimizer_name
 from .autobatch import choose_micro_batch, rows
 from .config import AdaccConfig
 from .session import AdaccSession
@@ -36,7 +37,8 @@ def prepare(
     `policy` (object or JSON path) skips profiling. With ``adaptive=True`` (the default, as in the
     Trainer) call ``session.step_done(step)`` after each optimizer step: the rectifier re-measures
     the codecs on tracking steps and switches policy when needed; ``adaptive=False`` keeps the
-    first policy. Undo with ``session.close()``.
+    first policy. Undo with ``session.close()``. ``optimizer=`` takes the loop's optimizer
+    object (or a name of `solver.static.KNOWN_OPTIMIZERS`): its states are in the step's peak.
 
     In a process group of several ranks, call it on every rank: all profile, rank 0 solves, and
     every rank runs (and later switches to) rank 0's policy. ZeRO-3 and FSDP2 sharding is read off
@@ -48,6 +50,8 @@ def prepare(
     batches of ``session.micro_batch`` rows and accumulate ``session.accumulation`` of them per
     optimizer step; ``session.batch_choice`` holds every candidate.
     """
+    if config.get("optimizer") is not None and not isinstance(config["optimizer"], str):
+        config["optimizer"] = optimizer_name(config["optimizer"])  # the object the loop steps
     if isinstance(policy, str):
         policy = Policy.load(policy)
     if not config.keys() & {"zero_stage", "fsdp", "world_size", "offload_optimizer"}:

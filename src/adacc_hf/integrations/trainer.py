@@ -190,13 +190,8 @@ class AdaccTrainer(Trainer):
         for event in session.drain_events():
             if event.kind == "track":
                 continue
-            if event.policy is not None and self.is_world_process_zero():
-                logger.info(
-                    "adacc %s at step %d:\n%s",
-                    event.kind,
-                    event.step,
-                    event.policy.table() if event.kind == "policy" else event.message,
-                )
+            if event.kind != "policy" and event.policy is not None and self.is_world_process_zero():
+                logger.info("adacc %s at step %d: %s", event.kind, event.step, event.message)
             self.log({"adacc/event_" + event.kind: 1.0, **event.metrics})
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

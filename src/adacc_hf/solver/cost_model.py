@@ -36,6 +36,7 @@ from ..schema import (
     Variant,
     variant_key,
 )
+from .budget import fmt_bytes
 from .static import StaticMemory
 from .step import (
     BlockLoad,
@@ -246,6 +247,34 @@ def budget_between(
     peak without checkpointing (1)."""
     low, high = extreme_peaks(profile, static, accumulation)
     return int(low.peak_nbytes + fraction * (high.peak_nbytes - low.peak_nbytes))
+
+
+def budget_window(
+    profile: Profile,
+    static: int | StaticMemory,
+    budget: int,
+    accumulation: int = 1,
+    head: str = "full",
+) -> str:
+    """Where `budget` sits in the range that matters, one line: the least step peak any policy
+    reaches (below it nothing fits) and the peak with no checkpointing (at or above it Adacc
+    changes nothing)."""
+    low, high = (
+        e.peak_nbytes for e in extreme_peaks(profile, static, accumulation, head)
+    )  # fmt: skip
+    where = (
+        "at or above no checkpointing's peak: nothing is checkpointed (a smaller budget makes "
+        "Adacc save memory)"
+        if budget >= high
+        else "below the least peak: no policy fits"
+        if budget < low
+        else f"{(budget - low) / max(1, high - low):.0%} of the way from the least to no "
+        "checkpointing's"
+    )
+    return (
+        f"budget {fmt_bytes(budget)}; step peak: least {fmt_bytes(low)} (any policy), "
+        f"no checkpointing {fmt_bytes(high)}; the budget is {where}"
+    )
 
 
 #: Default bound on a block's gradient error (`grad_error_of`; AdaccConfig.max_grad_error).

@@ -96,6 +96,29 @@ class _OptimizerModel:
     step_tensor: bool = False  # torch's optimizers keep a 0-dim fp32 step per parameter
 
 
+def optimizer_name(optimizer: Any) -> str:
+    """The static memory model's name of an optimizer object (`KNOWN_OPTIMIZERS`): torch's
+    AdamW / Adam (foreach or fused), SGD, Adagrad, RMSprop, bitsandbytes' 8-bit and paged ones,
+    transformers' Adafactor. Accelerate's wrapper is looked through."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    cls = type(opt).__name__.lower()
+    defaults = getattr(opt, "defaults", {})
+    if "8bit" in cls or "32bit" in cls:
+        bits = "8bit" if "8bit" in cls else "32bit"
+        base = "lion" if "lion" in cls else "adamw"
+        return f"{'paged_' if 'paged' in cls else ''}{base}_{bits}"
+    if cls in ("adamw", "adam"):
+        return "adamw_torch_fused" if defaults.get("fused") else "adamw_torch"
+    if cls == "sgd":
+        return "sgd_momentum" if defaults.get("momentum") else "sgd"
+    if cls in ("adafactor", "adagrad", "rmsprop", "lion"):
+        return cls
+    raise BudgetError(
+        f"no static memory model for the optimizer {type(opt).__name__}: pass the closest of "
+        f"{', '.join(KNOWN_OPTIMIZERS)} as optimizer='...'"
+    )
+
+
 def _optimizer_model(name: str) -> _OptimizerModel:
     n = name.lower().strip()
     one_state = any(k in n for k in ("lion", "rmsprop", "adagrad"))

@@ -1,0 +1,60 @@
+"""What adacc-hf says while it works, and how to turn it up or down.
+
+The ``adacc_hf`` logger shows INFO by default (one line per plan, profiling and take-over notes;
+the per-op policy table is DEBUG), on stderr. ``ADACC_VERBOSITY`` (``debug``,
+``info``, ``warning``, ``error``) or `set_verbosity` changes the level. Where the application has
+configured logging itself (a handler on the root logger), records go there by propagation and the
+library's own handler stays silent, so nothing prints twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["ENV", "LOGGER", "set_verbosity"]
+
+ENV = "ADACC_VERBOSITY"
+LOGGER = logging.getLogger("adacc_hf")
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+
+class _Handler(logging.StreamHandler):
+    """stderr, unless the root logger has handlers of its own (then they show the record)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def set_verbosity(level: int | str) -> None:
+    """Set the ``adacc_hf`` logger's level: a `logging` level or ``"debug"`` / ``"info"`` /
+    ``"warning"`` / ``"error"``."""
+    if isinstance(level, str):
+        if level.lower() not in _LEVELS:
+            raise ValueError(f"verbosity must be one of {', '.join(_LEVELS)}, not {level!r}")
+        level = _LEVELS[level.lower()]
+    LOGGER.setLevel(level)
+
+
+def install() -> None:
+    """Give the library's logger its default handler and level (once)."""
+    if any(isinstance(h, _Handler) for h in LOGGER.handlers):
+        return
+    handler = _Handler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))  # messages say "adacc"
+    LOGGER.addHandler(handler)
+    env = os.environ.get(ENV, "info").lower()
+    LOGGER.setLevel(_LEVELS.get(env, logging.INFO))
+    # bitsandbytes, which transformers imports with the Trainer, warns on every CPU import that
+    # its optional `kernels` hub package is missing (a CPU 4-bit kernel adacc never uses): the
+    # first line a CPU user would see. Left alone where the application set that logger's level.
+    quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if quiet.level == logging.NOTSET:
+        quiet.setLevel(logging.ERROR)
