@@ -307,6 +307,27 @@ def test_a_forward_under_another_autocast_is_planned_under_it(caplog):
     session.close()
 
 
+def test_a_training_forward_asks_its_layers_for_no_cache():
+    """The config's ``use_cache=True`` (LLaMA's default) would have every checkpointed layer drop
+    the cache with transformers' "Caching is incompatible with gradient checkpointing" warning,
+    in a loop that enabled no checkpointing: the session's training forwards ask for none (a
+    forward that asks for a cache itself keeps it)."""
+    model, short, _ = tiny()
+    model.config.use_cache = True
+    seen: list = []
+    model.model.layers[0].register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw.get("use_cache")), with_kwargs=True
+    )
+    model(**short)  # before adacc: the layers get the config's default
+    assert seen == [True]
+    session = prepare(model, 10 * 2**30, short, **QUICK)
+    seen.clear()
+    model(**short).loss.backward()
+    model(**short, use_cache=True).loss.backward()
+    session.close()
+    assert seen == [False, True] and model.config.use_cache
+
+
 def test_adacc_options_without_adacc_warn(caplog):
     with caplog.at_level(logging.WARNING, logger="adacc_hf"):
         AdaccTrainingArguments(output_dir="out", use_cpu=True, report_to="none")

@@ -392,9 +392,14 @@ class AdaccSession(StepHooks):
             return
         self.model.__dict__["_adacc_session"] = self
 
-        def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             if not module.training or self._planning:  # evaluation, or our own profiling forwards
-                return
+                return None
+            # A training forward builds no KV cache: asked for by the config's default, each
+            # checkpointed layer would drop it with transformers' "Caching is incompatible with
+            # gradient checkpointing" warning, though the user enabled no checkpointing.
+            if kwargs.get("use_cache") is None and getattr(module.config, "use_cache", False):
+                kwargs["use_cache"] = False
             batch = dict(kwargs)
             if args:
                 batch.setdefault("input_ids", args[0])
@@ -408,6 +413,7 @@ class AdaccSession(StepHooks):
             head = self.handle.head if self.handle is not None else None
             if head is not None:  # installed in this hook: torch will not call its pre-hook now
                 head.arm(module, kwargs)
+            return args, kwargs
 
         self._hook = self.model.register_forward_pre_hook(before_forward, with_kwargs=True)
 

@@ -208,7 +208,11 @@ class AdaccTrainer(Trainer):
         session = self.adacc_session
         if session is None or session.policy is None or not self.is_world_process_zero():
             return
-        update_model_card(self.args.output_dir, session.policy)
+        device = session.device
+        # CUDA counts what the run allocated at its highest (profiling and evaluation included);
+        # a CPU run measured nothing the card could show
+        measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        update_model_card(self.args.output_dir, session.policy, measured)
 
 
 @dataclass

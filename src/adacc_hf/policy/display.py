@@ -148,7 +148,10 @@ def card_section(policy: Policy, measured_peak_nbytes: int | None = None) -> str
         f"- predicted step peak: {mib(pred.get('peak_nbytes'))}",
     ]
     if measured_peak_nbytes is not None:
-        lines.append(f"- measured step peak: {mib(measured_peak_nbytes)}")
+        lines.append(
+            f"- measured peak allocated (the whole run, profiling included): "
+            f"{mib(measured_peak_nbytes)}"
+        )
     if "added_ms" in pred:
         lines.append(f"- predicted added time: {pred['added_ms']:.1f} ms per step")
     rows = by_layer_type(policy)

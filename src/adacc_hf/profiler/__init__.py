@@ -111,7 +111,9 @@ def profile_model(
             heads = {} if sharded(base) else measure_heads(base, batch, autocast, room=room)
             mem = measure(base, batch, groups, specs, autocast, room, heads)
             if mem.skipped:
-                logger.info("adacc: profiling within %d bytes skipped %s", room, mem.skipped)
+                logger.info(
+                    "adacc: profiling within %.2f MiB skipped %s", room / 2**20, mem.skipped
+                )
     finally:
         if active is not None:
             handle.set_policy(active)
