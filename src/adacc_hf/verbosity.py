@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
-__all__ = ["ENV", "LOGGER", "set_verbosity"]
+__all__ = ["ENV", "LOGGER", "progress", "set_verbosity"]
 
 ENV = "ADACC_VERBOSITY"
 LOGGER = logging.getLogger("adacc_hf")
@@ -58,3 +59,14 @@ def install() -> None:
     quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if quiet.level == logging.NOTSET:
         quiet.setLevel(logging.ERROR)
+
+
+def progress(total: int, desc: str) -> Any:
+    """A progress bar (tqdm, as the Trainer's) for work that may take a while: shown on stderr
+    after 3 s, where the logger shows INFO and on the first rank only; ``update(1)`` per part,
+    ``set_description`` for what it measures now, ``close()`` at the end."""
+    from tqdm.auto import tqdm
+
+    rank = int(os.environ.get("RANK", "0") or 0)
+    quiet = not LOGGER.isEnabledFor(logging.INFO) or rank != 0
+    return tqdm(total=total, desc=desc, delay=3, leave=False, disable=quiet, file=sys.stderr)

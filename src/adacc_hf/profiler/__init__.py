@@ -29,6 +29,7 @@ from ..runtime.checkpoint import frame_nbytes
 from ..runtime.peak import storage_nbytes
 from ..runtime.trace import autocast_context, devices_of, run_representatives
 from ..schema import GroupProfile, Profile
+from ..verbosity import progress
 from .estimates import grad_nbytes
 from .fidelity import measure_grad_errors
 from .head import measure_heads
@@ -99,21 +100,30 @@ def profile_model(
     )
     # Profiling draws no random numbers the run would see: its dropout masks stay those of a run
     # without Adacc.
+    bar = progress(4, "adacc profiling: ops and codecs")
     try:
         with torch.random.fork_rng(devices=devices_of(base)):
             with autocast_context(device, autocast, cache=False):
                 run_representatives(base, sample_batch, visit)
+            bar.update(1)
+            bar.set_description("adacc profiling: LM head")
             groups = adapter.block_groups(base)
             specs = {g.name: [o.spec() for o in measured[g.name].ops] for g in groups}
             # each way of running the LM head and loss (a sharded head gathers across ranks),
             # first: the timeline runs the chunked head where the model's own does not fit
             batch = dict(sample_batch)
             heads = {} if sharded(base) else measure_heads(base, batch, autocast, room=room)
+            bar.update(1)
+            bar.set_description("adacc profiling: step memory")
             mem = measure(base, batch, groups, specs, autocast, room, heads)
+            bar.update(1)
             if mem.skipped:
                 logger.info(
                     "adacc: profiling within %.2f MiB skipped %s", room / 2**20, mem.skipped
                 )
+    except BaseException:
+        bar.close()
+        raise
     finally:
         if active is not None:
             handle.set_policy(active)
@@ -174,7 +184,10 @@ def profile_model(
         library_version=__version__,
     )
     if probes:
+        bar.set_description("adacc profiling: gradient errors")
         with torch.random.fork_rng(devices=devices_of(base)):
             measure_grad_errors(profile, probes, autocast)
         profile.profile_ms = (time.perf_counter() - t_start) * 1e3
+    bar.update(1)
+    bar.close()
     return profile
