@@ -32,6 +32,9 @@ def test_plan_writes_a_policy_for_the_budget(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "predicted: activations held" in text and "input_layernorm" in text
+    assert text.index("profiling 8 x 64") < text.index("profiled")  # said before it starts
+    window = next(line for line in text.splitlines() if line.startswith("budget 8.00 MiB;"))
+    assert "least" in window and "no checkpointing" in window and "of the way" in window
     policy = Policy.load(str(out))
     assert policy.model_type == "llama" and policy.metadata["source"] == "milp"
     assert (tmp_path / "profile.json").stat().st_size > 0
