@@ -150,13 +150,8 @@ def plan(args: argparse.Namespace) -> int:
     from .adapters import get_adapter
     from .profiler import profile_model
     from .runtime.peak import live_state_nbytes
-    from .solver import (
-        budget_window,
-        describe_budget,
-        estimate_static_memory,
-        parse_budget,
-        solve,
-    )
+    from .solver import budget_window, estimate_static_memory, parse_budget, solve
+    from .solver.budget import resolve_budget
 
     if (args.model is None) == (args.config is None):
         raise _BadInput("give exactly one of --model PATH or --config NAME")
@@ -167,8 +162,9 @@ def plan(args: argparse.Namespace) -> int:
     model, config = _build_model(args)
     get_adapter(model)  # fails early on an unsupported model
     model.to(device).train()
-    resident = live_state_nbytes(model)
-    budget = parse_budget(args.budget, device, resident)  # "auto" counts what the model holds
+    # "auto" counts what the model holds, read once: the free memory moves between two reads
+    resolved = resolve_budget(args.budget, device, live_state_nbytes(model))
+    budget = resolved.nbytes
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, config.vocab_size, (args.batch_size, args.seq_len), generator=g)
     batch: dict[str, Any] = {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
@@ -188,7 +184,7 @@ def plan(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - t0:.1f} s"
     )
     sol = solve(profile, budget, static_nbytes=static, codecs=codecs)
-    print(f"budget: {describe_budget(args.budget, device, resident)}")
+    print(f"budget: {resolved.how}")
     print(budget_window(profile, static, budget))
     print(static.describe())
     print(sol.policy.table())

@@ -56,10 +56,11 @@ def auto_margin_nbytes(total_nbytes: int) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    """``12.34 GiB`` / ``56.78 MiB`` / ``910 B``."""
+    """``12.34 GiB`` / ``56.78 MiB`` / ``0.41 MiB`` / ``910 B`` (MiB from 1 KiB: sizes that sit
+    side by side on a line read in one unit)."""
     if abs(n) >= GiB:
         return f"{n / GiB:.2f} GiB"
-    if abs(n) >= MiB:
+    if abs(n) >= 1024:
         return f"{n / MiB:.2f} MiB"
     return f"{int(n)} B"
 
