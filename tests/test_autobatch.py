@@ -19,8 +19,12 @@ GLOBAL = 8
 
 
 def _peak(model, sample, mb, acc, opt, hf=False) -> int:
-    """Measured step peak of micro-batch `mb` with (up to two of) its `acc` micro-batches."""
-    batches = [rows(sample, mb)] * min(acc, 2)
+    """Measured step peak of micro-batch `mb` with its `acc` micro-batches, distinct tensors all
+    alive as the Trainer's ``get_batch_samples`` holds them."""
+    batches = [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in rows(sample, mb).items()}
+        for _ in range(acc)
+    ]
     enable = getattr(model, "activation_checkpointing_enable", None)
     disable = getattr(model, "activation_checkpointing_disable", None)
     if hf:

@@ -364,3 +364,15 @@ def test_kept_dropout_masks_hold_their_generator_state_in_the_prediction():
         predicted = policy.metadata["predicted"]["peak_nbytes"]
         assert measured == predicted <= budget, (fraction, measured - predicted, budget - measured)
     assert keeping, "no plan kept a dropout mask: the test would not test it"
+
+
+def test_a_batch_counts_each_storage_once_and_only_the_rows_it_spans():
+    """``labels`` sharing ``input_ids``' storage counts once; a micro-batch sliced out of a larger
+    sample counts its rows (a run's collated batches hold only those), not the sample's storage:
+    the automatic micro-batch planned a 2-row candidate with the 8-row sample's bytes, times its
+    accumulation of 4."""
+    from adacc_hf.runtime.peak import batch_nbytes
+
+    ids = torch.zeros(8, 48, dtype=torch.long)
+    assert batch_nbytes([ids, ids]) == 8 * 48 * 8
+    assert batch_nbytes([ids[:2], ids[:2], torch.ones(2, 48)]) == 2 * 48 * 8 + 2 * 48 * 4

@@ -26,7 +26,7 @@ from torch import nn
 from .._version import __version__
 from ..adapters import get_adapter, unwrap_model
 from ..runtime.checkpoint import frame_nbytes
-from ..runtime.peak import storage_nbytes
+from ..runtime.peak import batch_nbytes
 from ..runtime.trace import autocast_context, devices_of, run_representatives
 from ..schema import GroupProfile, Profile
 from ..verbosity import progress
@@ -177,8 +177,7 @@ def profile_model(
         forward_transient_nbytes=mem.forward_transient,
         tail_transient_nbytes=mem.tail_transient,
         nonblock_grad_nbytes=nonblock_grads,
-        # Each storage once, as a step holds it: ``labels`` is often ``input_ids`` itself.
-        batch_nbytes=storage_nbytes(sample_batch.values()),
+        batch_nbytes=batch_nbytes(sample_batch.values()),
         timeline=timeline,
         heads=heads,
         library_version=__version__,

@@ -211,6 +211,20 @@ def storage_nbytes(tensors: Iterable[Any]) -> int:
     return total
 
 
+def batch_nbytes(tensors: Iterable[Any]) -> int:
+    """Bytes a run's own copy of a batch holds: each storage once (``labels`` is often
+    ``input_ids`` itself), but only the part its tensors span. A micro-batch sliced out of a
+    larger sample (the automatic micro-batch's candidates) is its rows, as the run's collated
+    batches are, not the whole sample's storage."""
+    spans: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        for x in plain_tensors(t):
+            s = x.untyped_storage()
+            key = (str(x.device), s.data_ptr())
+            spans[key] = max(spans.get(key, 0), min(s.nbytes(), x.numel() * x.element_size()))
+    return sum(spans.values())
+
+
 def optimizer_tensors(optimizer: Any) -> Iterator[Any]:
     """Every value of ``optimizer.state`` (tensors and scalars alike)."""
     for state in optimizer.state.values():
