@@ -31,3 +31,12 @@ How it is written:
 Library logic is not copied here: timing comes from `adacc_hf.runtime.timing`, budgets and
 predictions from `adacc_hf.solver`, fixed policies from `adacc_hf.uniform_policy` & co.
 """
+
+import os as _os
+
+# A benchmark prints its own table rows; adacc's plan lines and profiling bars (INFO, shown by
+# default to users) would interleave with them. ADACC_VERBOSITY=info brings them back.
+if "ADACC_VERBOSITY" not in _os.environ:
+    import adacc_hf as _adacc_hf
+
+    _adacc_hf.set_verbosity("warning")
