@@ -145,6 +145,3 @@ def detect_autocast(
     if is_initialized():
         return MIXED_PRECISION_DTYPES.get(str(AcceleratorState().mixed_precision))
     return None
-    if is_initialized():
-        return MIXED_PRECISION_DTYPES.get(str(AcceleratorState().mixed_precision))
-    return None

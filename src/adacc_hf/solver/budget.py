@@ -187,9 +187,6 @@ def parse_budget(
     return resolve_budget(budget, device, resident_nbytes).nbytes
 
 
-def describe_budget(
-    budget: int | float | str, device: torch.device | str | None = None, resident_nbytes: int = 0
-) -> str:
-    """How `parse_budget` derives its bytes from ``budget`` (device, total, free, margin, and
-    `resident_nbytes` the model already holds)."""
-    return resolve_budget(budget, device, resident_nbytes).how
+def describe_budget(budget: int | float | str, device: torch.device | str | None = None) -> str:
+    """How `parse_budget` derives its bytes from ``budget`` (device, total, free, margin)."""
+    return resolve_budget(budget, device).how
