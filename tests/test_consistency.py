@@ -14,7 +14,7 @@ from adacc_hf import apply_adacc, assets, uniform_policy
 from adacc_hf.policy.consistency import conflicts, keeps_statistics
 from adacc_hf.schema import Action
 from adacc_hf.solver import no_checkpoint_budget, solve
-from adacc_hf.solver.budget import MiB
+from adacc_hf.units import MiB
 
 
 def _attention_profile(num_blocks: int):

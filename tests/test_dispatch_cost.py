@@ -11,7 +11,7 @@ from test_solver import llama_profile
 
 from adacc_hf import assets, profile_model
 from adacc_hf.solver import predict, solve
-from adacc_hf.solver.budget import MiB
+from adacc_hf.units import MiB
 
 
 def _with_dispatch(prof, ms):

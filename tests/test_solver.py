@@ -30,7 +30,7 @@ from adacc_hf.solver import (
     solve,
     solve_policy,
 )
-from adacc_hf.solver.budget import GiB, MiB, fmt_bytes
+from adacc_hf.units import GiB, MiB, fmt_bytes
 
 F32 = "torch.float32"
 CODECS = {  # name -> (compression ratio, encode+decode ms per MiB of input, relative error)

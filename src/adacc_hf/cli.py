@@ -188,7 +188,7 @@ def plan(args: argparse.Namespace) -> int:
     print(budget_window(profile, static, budget))
     print(static.describe())
     print(sol.policy.table())
-    from .solver.budget import fmt_bytes as fb
+    from .units import fmt_bytes as fb
 
     print(
         f"\npredicted: activations held {fb(sol.held_nbytes)} (no checkpointing "

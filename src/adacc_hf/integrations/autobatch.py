@@ -37,7 +37,7 @@ from ..runtime.peak import loss_of
 from ..runtime.trace import autocast_context
 from ..schema import Profile
 from ..solver import least_memory_policy
-from ..solver.budget import fmt_bytes
+from ..units import fmt_bytes
 from .config import AdaccConfig, detect_autocast
 from .oom import first_line, release
 from .plans import AdaccEvent

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from .._version import __version__
 from ..schema import GroupPolicy
+from ..units import fmt_bytes
 
 
 class Policy(Protocol):
@@ -85,18 +86,14 @@ def by_layer_type(policy: Policy) -> dict[str, dict[str, int]]:
     return {k: dict(sorted(c.items())) for k, c in sorted(out.items())}
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / _MiB:.2f} MiB"
-
-
 def describe(policy: Policy) -> str:
     """One line: source, predicted peak and added time, action totals."""
     pred = policy.metadata.get("predicted", {})
     parts = [str(policy.metadata.get("source", "?"))]
     if "peak_nbytes" in pred:
         budget = policy.metadata.get("budget_nbytes")
-        of = f" of the {_size(budget)} budget" if isinstance(budget, int) else ""
-        parts.append(f"predicted step peak {_size(pred['peak_nbytes'])}{of}")
+        of = f" of the {fmt_bytes(budget)} budget" if isinstance(budget, int) else ""
+        parts.append(f"predicted step peak {fmt_bytes(pred['peak_nbytes'])}{of}")
     if "added_ms" in pred:
         parts.append(f"{pred['added_ms']:+.1f} ms/step")
     parts.append(", ".join(f"{k} {v}" for k, v in totals(policy).items()))

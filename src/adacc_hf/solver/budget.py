@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BudgetError
+from ..units import GiB, fmt_bytes
 
-GiB = 2**30
-MiB = 2**20
 _UNITS = {
     "": 1,
     "b": 1,
@@ -53,16 +52,6 @@ class ResolvedBudget:
 def auto_margin_nbytes(total_nbytes: int) -> int:
     """Head-room that ``"auto"`` leaves free: max(1 GiB, 5 % of the device's total memory)."""
     return max(GiB, total_nbytes // 20)
-
-
-def fmt_bytes(n: float) -> str:
-    """``12.34 GiB`` / ``56.78 MiB`` / ``0.41 MiB`` / ``910 B`` (MiB from 1 KiB: sizes that sit
-    side by side on a line read in one unit)."""
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    if abs(n) >= 1024:
-        return f"{n / MiB:.2f} MiB"
-    return f"{int(n)} B"
 
 
 def _device(device: torch.device | str | None) -> torch.device:

@@ -36,7 +36,7 @@ from ..schema import (
     Variant,
     variant_key,
 )
-from .budget import fmt_bytes
+from ..units import fmt_bytes
 from .static import StaticMemory
 from .step import (
     BlockLoad,

@@ -40,7 +40,7 @@ import pulp
 
 from ..policy.consistency import keeps_statistics, lossy
 from ..schema import OpProfile
-from .budget import MiB
+from ..units import MiB
 from .cost_model import Choice, GroupModel, dispatch_ms, evaluate
 from .step import checkpointed_nbytes
 

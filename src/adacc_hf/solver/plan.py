@@ -16,7 +16,8 @@ from ..codecs import CodecError, available_codecs
 from ..errors import BudgetError, PolicyError
 from ..policy import Policy
 from ..schema import Profile
-from .budget import fmt_bytes, resolve_budget
+from ..units import fmt_bytes
+from .budget import resolve_budget
 from .cost_model import Prediction, candidate_heads, group_models, predict, recompute_ms
 from .milp import Caps, make_solver, run
 from .realise import Solution, full_recompute_counts, policy_from_counts, solve_metadata

@@ -59,7 +59,7 @@ from torch import nn
 
 from ..errors import BudgetError
 from ..runtime.peak import optimizer_tensors, storage_nbytes
-from .budget import fmt_bytes
+from ..units import fmt_bytes
 from .engines import EngineMemory, engine_memory
 
 BNB_BLOCK = 256  # bitsandbytes blockwise quantisation block (elements per fp32 absmax)
