@@ -378,3 +378,17 @@ def test_trl_sft_trainer_plans_the_longer_batch_within_budget(tmp_path):
     check_plans(
         session, peaks, budget, lambda p: step_peak(model, p, long, trainer.optimizer, bf16)
     )
+
+
+def test_a_bad_verbosity_says_what_is_accepted():
+    """``ADACC_VERBOSITY`` with an unknown level logs at info and says which levels exist."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ADACC_VERBOSITY": "loud"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import adacc_hf"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0
+    assert "ADACC_VERBOSITY='loud' is not one of debug, info, warning, error" in out.stderr

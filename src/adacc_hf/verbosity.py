@@ -53,6 +53,8 @@ def install() -> None:
     LOGGER.addHandler(handler)
     env = os.environ.get(ENV, "info").lower()
     LOGGER.setLevel(_LEVELS.get(env, logging.INFO))
+    if env not in _LEVELS:
+        LOGGER.warning("%s=%r is not one of %s: adacc logs at info", ENV, env, ", ".join(_LEVELS))
     # bitsandbytes, which transformers imports with the Trainer, warns on every CPU import that
     # its optional `kernels` hub package is missing (a CPU 4-bit kernel adacc never uses): the
     # first line a CPU user would see. Left alone where the application set that logger's level.
