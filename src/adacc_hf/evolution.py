@@ -22,9 +22,8 @@ from .codecs import Codec, dtype_named, get_codec, relative_error
 from .codecs.base import ERROR_CHUNK
 from .policy import Policy
 from .runtime.ops import cache_target
-from .schema import CodecProfile, OpProfile, Profile
+from .schema import CodecProfile, OpProfile, Profile, codec_can_pay
 from .solver import HEADROOM, StaticMemory, predict
-from .solver.cost_model import codec_can_pay
 
 
 @dataclass
@@ -141,7 +140,7 @@ class CodecStats:
 class OutlierTracker:
     """Measures each profiled codec's encoded size and error on live activations of one step:
     the codecs the solver could choose for their op under some size and error
-    (`solver.cost_model.codec_can_pay`); a codec slower than recomputing its op is not measured,
+    (`schema.codec_can_pay`); a codec slower than recomputing its op is not measured,
     as nothing it measures could make it chosen.
 
     Sizes are host numbers; the worst error and the outlier count of each (op, codec) accumulate

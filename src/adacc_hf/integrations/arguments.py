@@ -55,6 +55,14 @@ class AdaccTrainingArguments(TrainingArguments):
         default=None,
         metadata=_help("A saved adacc_policy.json to reuse: skips profiling and solving."),
     )
+    adacc_profile: str | None = field(
+        default=None,
+        metadata=_help(
+            "Saved profiles to plan from where they match this run (model, dtype, device, "
+            "versions, bucket): an adacc_profiles.json or a directory holding one. Default: "
+            "output_dir's (or the resumed checkpoint's); 'none': always profile."
+        ),
+    )
     adacc_codecs: list[str] | None = field(
         default=None,
         metadata=_help(
@@ -224,6 +232,7 @@ class AdaccTrainingArguments(TrainingArguments):
             max_seq_len=self.adacc_max_seq_len,
             auto_batch_size=self.adacc_auto_batch_size,
             expandable_segments=self.adacc_expandable_segments,
+            profile_from=self.adacc_profile,
         )
 
     # The integration name is in `report_to` only while the object lives in this process: what

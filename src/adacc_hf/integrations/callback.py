@@ -16,6 +16,7 @@ from ..policy import Policy
 from ..runtime.head import chunked_head_problem
 from .card import read_artifacts, write_artifacts
 from .config import AdaccConfig
+from .saved import read_profiles
 from .session import AdaccSession
 from .sharding import sharding_from_trainer
 
@@ -331,6 +332,9 @@ class AdaccCallback(TrainerCallback):
             longest = longest_sequence(args, collate, getattr(loader, "dataset", None))
             if longest is not None:
                 config = dataclasses.replace(config, max_seq_len=longest)
+        if config.profile_from is None:  # an earlier run of this one saved its profiles here
+            here = [d for d in (resume, args.output_dir) if d and read_profiles(d)]
+            config = dataclasses.replace(config, profile_from=here[0] if here else "none")
         if choice is not None and policy is None:  # AdaccTrainer's automatic micro-batch
             policy, profile = choice.policy, choice.profile
         self.session = AdaccSession(

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 from ..policy import Policy
 from ..policy.display import card_section, config_summary
 from ..schema import Profile
+from .saved import PROFILE_FILE, PROFILES_FILE
 
 if TYPE_CHECKING:
     from .session import AdaccSession
 
 POLICY_FILE = "adacc_policy.json"
-PROFILE_FILE = "adacc_profile.json"
 STATE_FILE = "adacc_state.json"
 CARD_TAG = "adacc-hf"
 _SECTION_START = "<!-- adacc-hf:start -->"
@@ -32,6 +32,9 @@ def write_artifacts(directory: str, session: AdaccSession) -> None:
     if session.profile is not None:
         with open(os.path.join(directory, PROFILE_FILE), "w", encoding="utf-8") as f:
             f.write(session.profile.to_json() + "\n")
+    if session.profiles:
+        with open(os.path.join(directory, PROFILES_FILE), "w", encoding="utf-8") as f:
+            f.write("[\n" + ",\n".join(p.to_json() for p in session.profiles.values()) + "\n]\n")
     with open(os.path.join(directory, STATE_FILE), "w", encoding="utf-8") as f:
         json.dump(session.state_dict(), f, indent=2, sort_keys=True)
 

@@ -3,6 +3,7 @@ what the run decides (optimizer, mixed precision, accumulation, sharding)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,8 +77,19 @@ class AdaccConfig:
     # CUDA: turn on the caching allocator's expandable segments where the user has not
     # configured it (`runtime.allocator`): reserved memory then stays close to what is allocated.
     expandable_segments: bool = True
+    # Saved profiles to plan from where their fingerprint is this run's (`session.reuse_profiles`):
+    # an adacc_profiles.json / adacc_profile.json or a directory holding one. None: nothing in a
+    # custom loop, the output directory (or the checkpoint resumed from) in the Trainer; "none":
+    # never.
+    profile_from: str | None = None
 
     def __post_init__(self) -> None:
+        if self.profile_from not in (None, "none") and not os.path.exists(self.profile_from):
+            raise AdaccError(
+                f"profile_from: no such file or directory {self.profile_from!r} (an "
+                "adacc_profiles.json or adacc_profile.json, or the output directory of an earlier "
+                "run; 'none' to always profile)"
+            )
         if self.headroom is not None and not 0 <= self.headroom < 0.5:
             raise AdaccError(f"headroom must be in [0, 0.5), got {self.headroom}")
         if self.codecs is not None:

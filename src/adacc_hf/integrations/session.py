@@ -23,14 +23,13 @@ from ..errors import AdaccError, BudgetError
 from ..evolution import OutlierTracker, TrackingSchedule, tracking_need, tracking_room_cap
 from ..policy import Policy
 from ..policy.display import describe, metrics
-from ..profiler import BlockProbe, measure_policy, profile_model
+from ..profiler import BlockProbe, measure_policy
 from ..profiler.fidelity import policy_block_error
-from ..profiler.room import profiling_room
+from ..profiler.phases import format_phases, phase, recording
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.allocator import use_expandable_segments
 from ..runtime.capacity import oom_count
-from ..runtime.peak import live_state_nbytes, storage_nbytes
-from ..runtime.sharded import forwards_without_backward
+from ..runtime.peak import live_state_nbytes
 from ..runtime.trace import outside_autocast
 from ..schema import Profile
 from ..solver import (
@@ -48,7 +47,8 @@ from .config import AdaccConfig, detect_autocast
 from .coordinator import Coordinator, coordinator_for_process
 from .guard import ReservedGuard
 from .plans import AdaccEvent, Plan
-from .shapes import ShapeKey, key_text, key_tokens, padded, shape_key
+from .profiling import SessionProfiling, serves
+from .shapes import ShapeKey, key_text, shape_key
 from .steps import StepHooks
 
 logger = logging.getLogger("adacc_hf")
@@ -56,9 +56,9 @@ logger = logging.getLogger("adacc_hf")
 __all__ = ["AdaccConfig", "AdaccEvent", "AdaccSession", "Plan"]
 
 
-class AdaccSession(StepHooks):
+class AdaccSession(StepHooks, SessionProfiling):
     """Owns the plans (profile + policy per bucket), the patch on the model and the rectifier
-    (its per-step part: `steps.StepHooks`)."""
+    (its per-step part: `steps.StepHooks`; profiling a bucket: `profiling.SessionProfiling`)."""
 
     def __init__(
         self,
@@ -110,6 +110,7 @@ class AdaccSession(StepHooks):
         self.micro_batch: int | None = None
         self.accumulation: int | None = None
         self.batch_choice: Any = None  # `autobatch.BatchChoice`
+        self.init_profiling()
 
     # ------------------------------------------------------------------ plans
     @property
@@ -195,8 +196,12 @@ class AdaccSession(StepHooks):
         plan = self.plans.get(key)
         if plan is not None and not plan.stale:
             return plan
-        with outside_autocast(self.device):  # measured as the step runs: backward outside it
-            return self._replan(batch, key, plan)
+        with outside_autocast(self.device), recording() as phase_ms:  # as the step runs it
+            plan = self._replan(batch, key, plan)
+        plan.policy.metadata["planning_ms"] = {k: round(v, 1) for k, v in phase_ms.items()}
+        if self.coordinator.leader:
+            logger.info("adacc planning took %s", format_phases(phase_ms))
+        return plan
 
     def _replan(self, batch: Mapping[str, Any], key: ShapeKey, plan: Plan | None) -> Plan:
         probes: dict[str, BlockProbe] = {}
@@ -204,10 +209,10 @@ class AdaccSession(StepHooks):
         room = self.profiling_room(batch)
         if plan is not None:
             profile = plan.profile
-        elif key in self.profiles:
+        elif key in self.profiles and serves(self.profiles[key], self.config.head):
             profile = self.profiles[key]
         else:
-            profile = self.profiles[key] = self._profile(batch, key, probes, room)
+            profile, probes = self.profile_bucket(batch, key, room)
         try:
             policy = self.solve_measured(profile, probes, reserve, room)
         except BudgetError as e:
@@ -255,79 +260,29 @@ class AdaccSession(StepHooks):
         time is theirs (`predict`). A measured gradient error above ``max_grad_error`` (the solver
         predicts it from single-op errors in quadrature) scales the bound down by the miss."""
         bound = self.config.max_grad_error
-        policy = self.coordinator.share(lambda: self.solve(profile, reserve, bound))
+        with phase("solve"):
+            policy = self.coordinator.share(lambda: self.solve(profile, reserve, bound))
         for attempt in range(3 if probes else 0):
-            self._planning = True
-            try:
+            with self.own_forwards():
                 rounds = self.config.profile_repeats
-                new = measure_policy(profile, probes, policy, self.autocast, rounds, room)
-                err = policy_block_error(probes, policy, self.autocast) if bound else 0.0
-            finally:
-                self._planning = False
+                with phase("action_tables"):
+                    new = measure_policy(profile, probes, policy, self.autocast, rounds, room)
+                with phase("policy_error"):
+                    err = policy_block_error(probes, policy, self.autocast) if bound else 0.0
             policy.metadata["measured_grad_error"] = err
             limit = self.config.max_grad_error
             if limit is not None and bound and err > 1.05 * limit and attempt < 2:
                 bound, new = bound * limit / err, True
             if not new or attempt == 2:
                 break
-            policy = self.coordinator.share(lambda b=bound: self.solve(profile, reserve, b))
+            with phase("solve"):
+                policy = self.coordinator.share(lambda b=bound: self.solve(profile, reserve, b))
         pred = policy.metadata.get("predicted")
         if probes and isinstance(pred, dict) and "added_ms" in pred:
             acc = self.config.gradient_accumulation_steps
             pred["ops_added_ms"] = pred["added_ms"]  # the per-op sums the solver compared
             pred["added_ms"] = predict(profile, policy, self._static(), acc).added_ms
         return policy
-
-    def profiling_room(self, batch: Mapping[str, Any]) -> int:
-        """The bytes profiling may add now within the budget, less the device reserve learnt
-        from out-of-memory errors (`profiler.room`)."""
-        s = self._static()
-        tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
-        budget = self._budget() - self.oom_reserve_nbytes
-        room = profiling_room(self.model, budget, tensors, s.optimizer + s.master_weights)
-        # every rank skips the same runs (each run all-gathers parameters under ZeRO-3 / FSDP)
-        return -self.coordinator.agree((-room,))[0]
-
-    def _profile(
-        self,
-        batch: Mapping[str, Any],
-        key: ShapeKey,
-        probes: dict | None = None,
-        room: int | None = None,
-    ) -> Profile:
-        """Profile `batch` padded to `key`'s edge, within `room` bytes less the padded copy; op
-        costs scale from the nearest profiled bucket when there is one (memory is always
-        measured)."""
-        pad = getattr(self.model.config, "pad_token_id", None)
-        sample = padded(batch, key, pad if isinstance(pad, int) else None)
-        alike = [(k, p) for k, p in self.profiles.items() if k[-1] == key[-1]]  # same masking
-        near = min(
-            alike, key=lambda kv: abs(key_tokens(kv[0]) - key_tokens(key)), default=(None, None)
-        )[1]
-        # On every rank: under ZeRO-3 / FSDP these forwards all-gather parameters. Inside a
-        # training forward (the hook), FSDP2's state is left to that step's backward.
-        self._planning = True
-        if self.coordinator.leader:
-            logger.info(
-                "adacc: profiling bucket %s (one block per group, %d timed runs per op)...",
-                key_text(key),
-                self.config.profile_repeats,
-            )
-        try:
-            with forwards_without_backward(self.model):
-                return profile_model(
-                    self.model,
-                    sample,
-                    codecs=self.config.codecs,
-                    codec_params=self.config.codec_params(),
-                    repeats=self.config.profile_repeats,
-                    autocast=self.autocast,
-                    reference=near,
-                    probes=probes,
-                    room=None if room is None else max(0, room - storage_nbytes(sample.values())),
-                )
-        finally:
-            self._planning = False
 
     def setup(self, batch: Mapping[str, Any], forward: bool = False) -> Policy:
         """Plan `batch`'s bucket (and, when ``max_seq_len`` is set, the longest one, so a budget

@@ -30,11 +30,13 @@ from ..runtime.peak import batch_nbytes
 from ..runtime.trace import autocast_context, devices_of, run_representatives
 from ..schema import GroupProfile, Profile
 from ..verbosity import progress
-from .estimates import grad_nbytes
+from .estimates import grad_nbytes, timeline_rest_nbytes
 from .fidelity import measure_grad_errors
+from .fingerprint import run_fingerprint
 from .head import measure_heads
 from .memory import StepMemory, measure, sharded
 from .ops import GroupOps, candidate_codecs, op_visitor, profile_codec
+from .phases import phase, recording
 from .variants import BlockProbe, measure_policy, measure_variants
 
 logger = logging.getLogger("adacc_hf")
@@ -44,6 +46,7 @@ __all__ = [
     "Profile",
     "StepMemory",
     "candidate_codecs",
+    "capture_probes",
     "measure_heads",
     "measure_policy",
     "measure_variants",
@@ -64,6 +67,7 @@ def profile_model(
     reference: Profile | None = None,
     probes: dict | None = None,
     room: int | None = None,
+    head: str = "auto",
 ) -> Profile:
     """Measure one block of each group on the model's device with the real micro-batch.
 
@@ -74,8 +78,42 @@ def profile_model(
     profile of the same model at another batch shape, op costs are scaled from it (memory is
     always measured). `probes` (a dict) gets each group's profiled block and its inputs, for
     measuring action tables later (`variants.measure_variants`). `room`: the bytes profiling may
-    add above what is alive when it starts (None: no limit; see the module docstring).
+    add above what is alive when it starts (None: no limit; see the module docstring). `head`:
+    the run's LM head option; ``"full"`` measures no other way (`head.measure_heads`). Where the
+    time went is in the profile's ``phase_ms`` (`phases`).
     """
+    with recording() as phase_ms:
+        profile = _profile_model(
+            model,
+            sample_batch,
+            codecs=codecs,
+            codec_params=codec_params,
+            repeats=repeats,
+            warmup=warmup,
+            autocast=autocast,
+            reference=reference,
+            probes=probes,
+            room=room,
+            head=head,
+        )
+    profile.phase_ms = {k: round(v, 1) for k, v in phase_ms.items()}
+    return profile
+
+
+def _profile_model(
+    model: nn.Module,
+    sample_batch: Mapping[str, Any],
+    *,
+    codecs: Iterable[str] | None,
+    codec_params: Mapping[str, Mapping[str, Any]] | None,
+    repeats: int,
+    warmup: int,
+    autocast: torch.dtype | None,
+    reference: Profile | None,
+    probes: dict | None,
+    room: int | None,
+    head: str,
+) -> Profile:
     t_start = time.perf_counter()
     adapter = get_adapter(model)
     base = unwrap_model(model)
@@ -112,10 +150,19 @@ def profile_model(
             # each way of running the LM head and loss (a sharded head gathers across ranks),
             # first: the timeline runs the chunked head where the model's own does not fit
             batch = dict(sample_batch)
-            heads = {} if sharded(base) else measure_heads(base, batch, autocast, room=room)
+            with phase("head"):
+                rest = timeline_rest_nbytes(base, groups, batch)
+                heads = (
+                    {}
+                    if sharded(base)
+                    else measure_heads(
+                        base, batch, autocast, room=room, head=head, rest_nbytes=rest
+                    )
+                )
             bar.update(1)
             bar.set_description("adacc profiling: step memory")
-            mem = measure(base, batch, groups, specs, autocast, room, heads)
+            with phase("memory"):
+                mem = measure(base, batch, groups, specs, autocast, room, heads)
             bar.update(1)
             if mem.skipped:
                 logger.info(
@@ -181,12 +228,38 @@ def profile_model(
         timeline=timeline,
         heads=heads,
         library_version=__version__,
+        fingerprint={**run_fingerprint(base, autocast, codecs, codec_params), "heads": head},
     )
     if probes:
         bar.set_description("adacc profiling: gradient errors")
-        with torch.random.fork_rng(devices=devices_of(base)):
+        with torch.random.fork_rng(devices=devices_of(base)), phase("grad_errors"):
             measure_grad_errors(profile, probes, autocast)
         profile.profile_ms = (time.perf_counter() - t_start) * 1e3
     bar.update(1)
     bar.close()
     return profile
+
+
+def capture_probes(
+    model: nn.Module,
+    sample_batch: Mapping[str, Any],
+    profile: Profile,
+    autocast: torch.dtype | None = None,
+) -> dict[str, BlockProbe]:
+    """The first block of each group with the inputs it gets from `sample_batch` (one forward,
+    stopped after the last of them): a saved `profile`'s action tables measured on this run's
+    blocks. Empty for a sharded model (its block gathers across ranks)."""
+    base = unwrap_model(model)
+    if sharded(base):
+        return {}
+    device = next(base.parameters()).device
+    probes: dict[str, BlockProbe] = {}
+
+    def visit(adapter, group, block, fn, args):
+        ops = [o.spec() for o in profile.groups[group.name].ops]
+        probes[group.name] = BlockProbe(group.name, group.paths[0], block, fn, args, ops)
+        return fn(*args)
+
+    with autocast_context(device, autocast, cache=False):
+        run_representatives(base, sample_batch, visit)
+    return probes

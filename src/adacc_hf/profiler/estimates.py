@@ -120,8 +120,15 @@ def timeline_head(
     own = heads.get("full")
     if room is None or own is None or "chunked" not in heads:
         return "full"
-    rest = _trainable_nbytes(base) + _checkpoint_nbytes(base, groups, batch)
-    return "full" if rest + head_peak(own) <= room else "chunked"
+    return (
+        "full" if timeline_rest_nbytes(base, groups, batch) + head_peak(own) <= room else "chunked"
+    )
+
+
+def timeline_rest_nbytes(base: nn.Module, groups: list[BlockGroup], batch: dict) -> int:
+    """What the full-recomputation run holds besides the head when the head runs: the trainable
+    gradients and every block's checkpointed input."""
+    return _trainable_nbytes(base) + _checkpoint_nbytes(base, groups, batch)
 
 
 def to_own_head(mem: StepMemory, heads: dict[str, HeadCost], measured: str) -> None:

@@ -28,7 +28,7 @@ import torch
 from ..codecs import get_codec
 from ..policy.consistency import keeps_statistics
 from ..runtime.trace import autocast_context, detached_input
-from ..schema import Action, OpProfile, Profile, Variant
+from ..schema import Action, OpProfile, Profile, Variant, codec_can_pay
 from .calibrate import table_runtimes
 from .variants import BlockProbe
 
@@ -116,8 +116,9 @@ def _guarded_error(probe: BlockProbe, runtime: Any, autocast: Any, ref: tuple) -
 def measure_grad_errors(
     profile: Profile, probes: Mapping[str, BlockProbe], autocast: torch.dtype | None = None
 ) -> int:
-    """Fill ``grad_error`` of every lossy codec of every op of the profiled groups; returns how
-    many it measured."""
+    """Fill ``grad_error`` of every lossy codec of every op of the profiled groups that could pay
+    (`schema.codec_can_pay`: slower than recomputing its op, the solver never picks it, so on a
+    CPU most are left unmeasured); returns how many it measured."""
     n = 0
     for name, probe in probes.items():
         group = profile.groups.get(name)
@@ -128,7 +129,9 @@ def measure_grad_errors(
             for op in group.ops
             if op.cacheable and not keeps_statistics(op)  # never compressed lossily
             for cp in op.codecs.values()
-            if cp.grad_error is None and not get_codec(cp.codec, **cp.params).lossless
+            if cp.grad_error is None
+            and codec_can_pay(op, cp)  # else recompute beats it: the solver never picks it
+            and not get_codec(cp.codec, **cp.params).lossless
         ]
         variants = [
             op_grad_error_variant(group.ops, op.key, Action.compress(cp.codec, **cp.params))

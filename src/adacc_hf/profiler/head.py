@@ -67,7 +67,8 @@ def _hidden(head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
 def head_cost(
     fn: Callable, x: torch.Tensor, params: list[torch.Tensor], amp: Any, repeats: int
 ) -> HeadCost:
-    """One way's `HeadCost` on hidden states `x` (`amp`: a factory of the autocast context)."""
+    """One way's `HeadCost` on hidden states `x` (`amp`: a factory of the autocast context;
+    ``repeats=0``: bytes only)."""
     x = x.detach().requires_grad_()
     device = x.device
     tracker = AllocationTracker(device)
@@ -87,7 +88,7 @@ def head_cost(
         held=max(0, tracker.level("forward_end")),
         forward_peak=tracker.peak(None, "forward_end"),
         backward_peak=tracker.peak("forward_end", None),
-        ms=time_call(step, device, repeats),
+        ms=time_call(step, device, repeats) if repeats else 0.0,
     )
 
 
@@ -126,10 +127,18 @@ def measure_heads(
     autocast: torch.dtype | None = None,
     repeats: int = 3,
     room: int | None = None,
+    head: str = "auto",
+    rest_nbytes: int = 0,
 ) -> dict[str, HeadCost]:
     """`HeadCost` per way of running `base`'s LM head and loss on `batch` (empty for a model that
     cannot take the chunked head, e.g. a seq2seq or masked LM, or a batch without labels); within
-    `room` bytes (None: no limit), see the module docstring."""
+    `room` bytes (None: no limit), see the module docstring.
+
+    For a run that keeps the model's own head (``head="full"``) nothing is there to choose: empty
+    too, unless the timeline may not fit `room` with it (what the run holds besides the head,
+    `rest_nbytes`, plus the head's peak bounded from the first slice, untimed); then every way, as
+    the timeline runs the chunked head and is moved back by their difference."""
+    head_choice = head
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     labels = batch.get("labels")
     if chunked_head_problem(base) is not None or not isinstance(labels, torch.Tensor):
@@ -142,6 +151,8 @@ def measure_heads(
     chunk = default_chunk_rows(rows * length, head.in_features, head.out_features)
     first = {"full": max(1, round(length * FIRST_SLICE)), "chunked": -(-chunk // rows)}
 
+    losses = _losses(base, head, labels, chunk)
+
     def amp() -> Any:
         return autocast_context(device, autocast)
 
@@ -151,7 +162,14 @@ def measure_heads(
     out: dict[str, HeadCost] = {}
     with train_mode(base):
         hidden = _hidden(head, labels)
-        for name, fn in _losses(base, head, labels, chunk).items():
+        if head_choice == "full":
+            if room is None:
+                return out
+            n = first["full"]
+            bound = scaled(head_cost(losses["full"], hidden[:, :n], params, amp, 0), length / n)
+            if rest_nbytes + head_peak(bound) <= room:
+                return out
+        for name, fn in losses.items():
             n = first[name]
             if room is None or (2 if name == "chunked" else 1) * n >= length:
                 out[name] = cost(fn, length)

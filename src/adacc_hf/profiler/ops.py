@@ -27,6 +27,7 @@ from ..schema import (
     codec_candidates,
 )
 from .calibrate import calibrate
+from .phases import phase
 from .variants import BlockProbe
 
 
@@ -178,26 +179,30 @@ def op_visitor(
     def _visit(adapter, group, block, fn, args):
         ref = reference.get(group.name) if reference else None
         if ref is not None:
-            out, rec, ops = record_block(adapter, group, block, fn, args, timer=_untimed)
-            got = scaled(ops, rec.outputs, _storages(out), ref)
+            with phase("ops"):
+                out, rec, ops = record_block(adapter, group, block, fn, args, timer=_untimed)
+                got = scaled(ops, rec.outputs, _storages(out), ref)
             if got is not None:
                 measured[group.name] = got
                 return out
-        for _ in range(warmup):
-            fn(*args)
-        runs = []
-        for _ in range(repeats):
-            if runs:  # drop the last run's outputs first, as a training step frees its own
-                runs[-1].outputs = []
-            out = None
-            out, rec, ops = record_block(adapter, group, block, fn, args, timer=timer)
-            runs.append(rec)
-        sync(device)
-        fwd = [
-            statistics.median(elapsed_ms(r.recs[i].elapsed) for r in runs) for i in range(len(ops))
-        ]
-        other = statistics.median(sum(elapsed_ms(e) for e in r.other_ms) for r in runs)
-        block_ms = time_call(lambda: fn(*args), device, max(1, repeats // 2), work_clock(device))
+        with phase("ops"):
+            for _ in range(warmup):
+                fn(*args)
+            runs = []
+            for _ in range(repeats):
+                if runs:  # drop the last run's outputs first, as a training step frees its own
+                    runs[-1].outputs = []
+                out = None
+                out, rec, ops = record_block(adapter, group, block, fn, args, timer=timer)
+                runs.append(rec)
+            sync(device)
+            fwd = [
+                statistics.median(elapsed_ms(r.recs[i].elapsed) for r in runs)
+                for i in range(len(ops))
+            ]
+            other = statistics.median(sum(elapsed_ms(e) for e in r.other_ms) for r in runs)
+            clock = work_clock(device)
+            block_ms = time_call(lambda: fn(*args), device, max(1, repeats // 2), clock)
         outs = _storages(out)
         op_profiles = []
         for op, ms, raw in zip(ops, fwd, runs[-1].outputs, strict=True):
@@ -217,21 +222,24 @@ def op_visitor(
             # would scale to the sentinels and ruin what the mask leaves visible.
             target = cache_target(op.mask, raw) if tensors else None
             if op.cacheable and target is not None and not has_sentinels(target):
-                for codec in candidate_codecs(op, allowed, codec_params):
-                    cp = profile_codec(codec, target, device)
-                    if cp is not None:
-                        prof.codecs[codec.name] = cp
+                with phase("codecs"):
+                    for codec in candidate_codecs(op, allowed, codec_params):
+                        cp = profile_codec(codec, target, device)
+                        if cp is not None:
+                            prof.codecs[codec.name] = cp
             op_profiles.append(prof)
         fixed = other + sum(p.fwd_ms for p in op_profiles if not p.cacheable)
         del runs
         if not backward:
             gp = GroupPolicy(ops=ops, variants=[Variant(len(group.modules), True, {})])
-            d_ms = dispatch_overhead_ms(block, fn, args, gp, device, repeats)
+            with phase("calibration"):
+                d_ms = dispatch_overhead_ms(block, fn, args, gp, device, repeats)
             measured[group.name] = GroupOps(op_profiles, fixed, block_ms, d_ms)
             return out
-        cal = calibrate(
-            block, group.paths[0], group.name, fn, args, op_profiles, fixed, device, repeats
-        )
+        with phase("calibration"):
+            cal = calibrate(
+                block, group.paths[0], group.name, fn, args, op_profiles, fixed, device, repeats
+            )
         op_profiles, fixed = cal.apply(op_profiles, fixed)
         measured[group.name] = GroupOps(op_profiles, fixed, block_ms, cal.dispatch_ms, asdict(cal))
         return out

@@ -43,6 +43,7 @@ from .profiles import (
     OpProfile,
     Profile,
     Timeline,
+    codec_can_pay,
 )
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "Profile",
     "Timeline",
     "Variant",
+    "codec_can_pay",
     "codec_candidates",
     "variant_key",
 ]

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..errors import PolicyError
-from .ops import PROFILE_FORMAT, OpSpec
+from .ops import ALWAYS_RETAIN, PROFILE_FORMAT, OpSpec
 
 
 # ----------------------------------------------------------------------------------- profiles
@@ -57,6 +57,14 @@ class OpProfile(OpSpec):
     @classmethod
     def from_spec(cls, spec: OpSpec, **measured: Any) -> OpProfile:
         return cls(**{f.name: getattr(spec, f.name) for f in fields(OpSpec)}, **measured)
+
+
+def codec_can_pay(op: OpProfile, codec: CodecProfile) -> bool:
+    """Whether some encoded size and error of `codec` could make the solver compress `op`: the op
+    is a policy op that may be compressed, and the codec is faster than recomputing it (otherwise
+    recompute, holding nothing and costing no more, beats it whatever it encodes to:
+    `solver.cost_model.choices_for` drops it)."""
+    return op.cacheable and op.layer_type not in ALWAYS_RETAIN and codec.ms < op.fwd_ms
 
 
 @dataclass
@@ -148,6 +156,7 @@ class Profile:
     nonblock_nbytes: int
     head_transient_nbytes: int = 0
     profile_ms: float = 0.0  # wall time spent profiling
+    phase_ms: dict[str, float] = field(default_factory=dict)  # of it, per `profiler.phases` phase
     autocast: str | None = None  # the autocast dtype the profile ran under (None: off)
     nonblock_before_nbytes: int = 0
     forward_transient_nbytes: int = 0
@@ -165,6 +174,8 @@ class Profile:
     # which the timeline measured).
     heads: dict[str, HeadCost] = field(default_factory=dict)
     library_version: str = ""
+    # what the measurements depend on besides the batch (`profiler.fingerprint`), and the bucket
+    fingerprint: dict[str, str] = field(default_factory=dict)
     format_version: int = PROFILE_FORMAT
 
     def to_json(self) -> str:

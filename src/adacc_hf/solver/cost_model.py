@@ -29,7 +29,6 @@ from ..schema import (
     ALWAYS_RETAIN,
     HEADS,
     Action,
-    CodecProfile,
     GroupProfile,
     OpProfile,
     Profile,
@@ -151,14 +150,6 @@ def choices_for(
     return sorted(
         (c for i, c in enumerate(cands) if not beaten(i)), key=lambda c: (-c.nbytes, c.ms)
     )
-
-
-def codec_can_pay(op: OpProfile, codec: CodecProfile) -> bool:
-    """Whether some encoded size and error of `codec` could make the solver compress `op`: the op
-    is a policy op that may be compressed, and the codec is faster than recomputing it (otherwise
-    recompute, holding nothing and costing no more, beats it whatever it encodes to; `choices_for`
-    drops it)."""
-    return op.cacheable and op.layer_type not in ALWAYS_RETAIN and codec.ms < op.fwd_ms
 
 
 def group_models(

@@ -1,0 +1,149 @@
+"""Where planning time goes, against the step it plans for (issue 32).
+
+    python benchmarks/profile_breakdown.py [--runs full lora] [--fraction 0.5]
+        [--out benchmarks/results/profile-breakdown-cpu.json]
+
+Real SmolLM2-135M (offline) on real Shakespeare text, AdamW, a custom loop under
+`adacc_hf.prepare` (the Trainer's callback runs the same session):
+
+* ``full``: a full fine-tune on one 4 x 256 batch;
+* ``lora``: PEFT LoRA r 16 on every projection, 8 rows padded to 192, 64, 128 and 96 tokens, in
+  that order (the first bucket is the longest, as `adacc_max_seq_len` plans it; the later ones
+  are what dynamic padding brings).
+
+Per bucket: the wall time of the step that planned it (profiling, solving and measuring the
+policy's action tables, then the step itself), the session's per-phase breakdown
+(`adacc_hf.profiler.phases`), and HF full checkpointing's step time on the same batch (median of
+two after one warm-up) for the ratio the issue sets: first bucket ≤ 3 steps, later ones ≤ 0.5.
+The budget is `--fraction` of the way from full recomputation's step peak to no
+checkpointing's on the longest bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.append(str(ROOT))
+
+from adacc_hf import estimate_static_memory, prepare, profile_model  # noqa: E402
+from adacc_hf.assets import load_smollm2, shakespeare_text  # noqa: E402
+from adacc_hf.profiler.phases import format_phases  # noqa: E402
+from adacc_hf.solver import budget_between  # noqa: E402
+from benchmarks.harness import env  # noqa: E402
+from benchmarks.harness.report import write_json  # noqa: E402
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RUNS = {"full": (4, [256]), "lora": (8, [192, 64, 128, 96])}
+
+
+def make_model(kind: str) -> tuple[torch.nn.Module, Any]:
+    model, tokenizer = load_smollm2()
+    model.config.use_cache = False
+    if kind == "lora":
+        import peft
+
+        config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        model = peft.get_peft_model(model, config)
+    return model.train(), tokenizer
+
+
+def batches(tokenizer: Any, rows: int, lengths: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Consecutive spans of the plays, `rows` x each length."""
+    need = rows * sum(lengths)
+    ids = tokenizer(shakespeare_text(need * 6), add_special_tokens=False, verbose=False)
+    flat = torch.tensor(ids["input_ids"][:need])
+    out, at = [], 0
+    for n in lengths:
+        x = flat[at : at + rows * n].view(rows, n)
+        at += rows * n
+        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
+    return out
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> float:
+    t0 = time.perf_counter()
+    model(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def hf_step_s(model: torch.nn.Module, batch: dict) -> float:
+    """HF full checkpointing's step on `batch`: median of two after a warm-up (fresh AdamW)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    model.gradient_checkpointing_enable()
+    try:
+        times = [step(model, opt, batch) for _ in range(3)][1:]
+    finally:
+        model.gradient_checkpointing_disable()
+    return statistics.median(times)
+
+
+def run(kind: str, fraction: float) -> dict[str, Any]:
+    rows, lengths = RUNS[kind]
+    model, tokenizer = make_model(kind)
+    data = batches(tokenizer, rows, lengths)
+    hf = [hf_step_s(model, b) for b in data]
+    static = estimate_static_memory(model, optimizer="adamw_torch")
+    budget = budget_between(profile_model(model, data[0], repeats=1), static, fraction)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    t0 = time.perf_counter()
+    session = prepare(model, budget, optimizer=opt, adaptive=False)
+    out: dict[str, Any] = {"kind": kind, "rows": rows, "budget_nbytes": budget, "buckets": []}
+    for batch, hf_s in zip(data, hf, strict=True):
+        wall = step(model, opt, batch)
+        steady = step(model, opt, batch)
+        plan = session.current
+        phases = plan.policy.metadata.get("planning_ms", {})
+        planning = sum(phases.values()) / 1e3
+        row = {
+            "shape": list(batch["input_ids"].shape),
+            "planning_s": planning,
+            "phases_ms": phases,
+            "planning_step_s": wall,
+            "adacc_step_s": steady,
+            "hf_full_step_s": hf_s,
+            "planning_in_hf_steps": planning / hf_s,
+            "policy": plan.policy.metadata.get("predicted", {}).get("peak_nbytes"),
+        }
+        out["buckets"].append(row)
+        print(
+            f"{kind} {tuple(row['shape'])}: planning {format_phases(phases)} = "
+            f"{row['planning_in_hf_steps']:.2f} HF steps ({hf_s:.2f} s)",
+            flush=True,
+        )
+    out["total_s"] = time.perf_counter() - t0
+    session.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--fraction", type=float, default=0.5)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/profile-breakdown-cpu.json"))
+    args = p.parse_args(argv)
+    device = torch.device("cpu")
+    env.set_threads(device, args.threads)
+    result = env.header("profile_breakdown", argv, device)
+    result["settings"] = vars(args)
+    result["runs"] = [run(kind, args.fraction) for kind in args.runs]
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

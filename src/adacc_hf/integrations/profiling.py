@@ -1,0 +1,171 @@
+"""Profiling a bucket for `AdaccSession`: the room it may use, the profile measured (op costs
+scaled from the nearest profiled bucket, memory always measured), or reused from what an earlier
+run saved where its fingerprint is this run's (`profiler.fingerprint`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..profiler import BlockProbe, capture_probes, profile_model
+from ..profiler.fingerprint import differences, run_fingerprint
+from ..profiler.room import profiling_room
+from ..runtime.peak import storage_nbytes
+from ..runtime.sharded import forwards_without_backward
+from ..schema import Profile
+from .saved import read_profiles
+from .shapes import ShapeKey, key_text, key_tokens, padded
+
+if TYPE_CHECKING:
+    from ..solver import StaticMemory
+    from .config import AdaccConfig
+    from .coordinator import Coordinator
+
+logger = logging.getLogger("adacc_hf")
+
+
+def serves(profile: Profile, head: str) -> bool:
+    """Whether `profile` measured what a run with LM head option `head` chooses from: one made
+    for the model's own head alone (``"full"``) has no other head's costs."""
+    return head == "full" or profile.fingerprint.get("heads") != "full"
+
+
+class SessionProfiling:
+    """The profiling half of `AdaccSession` (a mixin: it reads the session's model, config,
+    coordinator, autocast, budget and static memory)."""
+
+    model: nn.Module
+    config: AdaccConfig
+    coordinator: Coordinator
+    autocast: torch.dtype | None
+    profiles: dict[ShapeKey, Profile]
+    oom_reserve_nbytes: int
+    _planning: bool
+
+    def _static(self) -> StaticMemory: ...
+    def _budget(self) -> int: ...
+
+    def init_profiling(self) -> None:
+        # Profiles saved by an earlier run (`reuse_profiles`), used where their fingerprint holds.
+        self.saved_profiles: list[Profile] = []
+        self._saved_source = ""
+        self._fingerprint: dict[str, str] | None = None
+        source = self.config.profile_from
+        if source not in (None, "none"):
+            self.reuse_profiles(read_profiles(source), source)
+
+    @contextlib.contextmanager
+    def own_forwards(self) -> Iterator[None]:
+        """Forwards of the session's own (profiling, measuring): the training-forward hook lets
+        them pass, and an FSDP2 model is left between iterations as it was found (inside a
+        training forward, its state is left to that step's backward)."""
+        self._planning = True
+        try:
+            with forwards_without_backward(self.model):
+                yield
+        finally:
+            self._planning = False
+
+    def profile_bucket(
+        self, batch: Mapping[str, Any], key: ShapeKey, room: int | None
+    ) -> tuple[Profile, dict[str, BlockProbe]]:
+        """`key`'s profile, saved or measured now, and the profiled blocks with their inputs."""
+        probes: dict[str, BlockProbe] = {}
+        saved = self._saved_profile(key)
+        if saved is None:
+            profile = self.profiles[key] = self._profile(batch, key, probes, room)
+            return profile, probes
+        self.profiles[key] = saved
+        with self.own_forwards():  # the blocks its action tables are timed on: one forward
+            probes = capture_probes(self.model, self._padded(batch, key), saved, self.autocast)
+        return saved, probes
+
+    def profiling_room(self, batch: Mapping[str, Any]) -> int:
+        """The bytes profiling may add now within the budget, less the device reserve learnt
+        from out-of-memory errors (`profiler.room`)."""
+        s = self._static()
+        tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+        budget = self._budget() - self.oom_reserve_nbytes
+        room = profiling_room(self.model, budget, tensors, s.optimizer + s.master_weights)
+        # every rank skips the same runs (each run all-gathers parameters under ZeRO-3 / FSDP)
+        return -self.coordinator.agree((-room,))[0]
+
+    def _profile(
+        self,
+        batch: Mapping[str, Any],
+        key: ShapeKey,
+        probes: dict | None = None,
+        room: int | None = None,
+    ) -> Profile:
+        """Profile `batch` padded to `key`'s edge, within `room` bytes less the padded copy; op
+        costs scale from the nearest profiled bucket when there is one (memory is always
+        measured)."""
+        sample = self._padded(batch, key)
+        alike = [(k, p) for k, p in self.profiles.items() if k[-1] == key[-1]]  # same masking
+        near = min(
+            alike, key=lambda kv: abs(key_tokens(kv[0]) - key_tokens(key)), default=(None, None)
+        )[1]
+        if self.coordinator.leader:
+            logger.info(
+                "adacc: profiling bucket %s (one block per group, %d timed runs per op)...",
+                key_text(key),
+                self.config.profile_repeats,
+            )
+        # On every rank: under ZeRO-3 / FSDP these forwards all-gather parameters.
+        with self.own_forwards():
+            profile = profile_model(
+                self.model,
+                sample,
+                codecs=self.config.codecs,
+                codec_params=self.config.codec_params(),
+                repeats=self.config.profile_repeats,
+                autocast=self.autocast,
+                reference=near,
+                probes=probes,
+                room=None if room is None else max(0, room - storage_nbytes(sample.values())),
+                head=self.config.head,
+            )
+        profile.fingerprint["bucket"] = key_text(key)
+        return profile
+
+    def _padded(self, batch: Mapping[str, Any], key: ShapeKey) -> dict[str, Any]:
+        pad = getattr(self.model.config, "pad_token_id", None)
+        return padded(batch, key, pad if isinstance(pad, int) else None)
+
+    def reuse_profiles(self, profiles: list[Profile], source: str) -> None:
+        """Plan from these saved profiles (an earlier run's ``adacc_profiles.json``) where one's
+        fingerprint is this run's for the bucket; the rest are profiled anew."""
+        self.saved_profiles = list(profiles)
+        self._saved_source = source
+
+    def _saved_profile(self, key: ShapeKey) -> Profile | None:
+        """The saved profile of `key`'s bucket measured as this run would measure it, on every
+        rank (profiling runs collectives on a sharded model, so all ranks profile or none)."""
+        if not self.saved_profiles:
+            return None
+        if self._fingerprint is None:
+            c = self.config
+            self._fingerprint = run_fingerprint(
+                self.model, self.autocast, c.codecs, c.codec_params()
+            )
+        now = {**self._fingerprint, "heads": self.config.head, "bucket": key_text(key)}
+        bucket = [p for p in self.saved_profiles if p.fingerprint.get("bucket") == now["bucket"]]
+        match = next((p for p in bucket if p.fingerprint == now), None)
+        if self.coordinator.agree((int(match is None),))[0]:
+            if bucket and self.coordinator.leader:
+                logger.info(
+                    "adacc: the saved profile of bucket %s (%s) was measured otherwise; profiling "
+                    "anew (%s)",
+                    now["bucket"],
+                    self._saved_source,
+                    "; ".join(differences(bucket[-1].fingerprint, now)),
+                )
+            return None
+        if self.coordinator.leader:
+            logger.info("adacc: bucket %s planned from %s", now["bucket"], self._saved_source)
+        return match
