@@ -16,7 +16,9 @@ policy's action tables, then the step itself), the session's per-phase breakdown
 (`adacc_hf.profiler.phases`), and HF full checkpointing's step time on the same batch (median of
 two after one warm-up) for the ratio the issue sets: first bucket ≤ 3 steps, later ones ≤ 0.5.
 The budget is `--fraction` of the way from full recomputation's step peak to no
-checkpointing's on the longest bucket.
+checkpointing's on the longest bucket. Each run is then started again on a fresh model from the
+profiles the first saved (``profile_from``, as the Trainer reads its output directory): the
+``again`` rows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,8 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.append(str(ROOT))
 
-from adacc_hf import estimate_static_memory, prepare, profile_model  # noqa: E402
+from adacc_hf import AdaccSession, estimate_static_memory, prepare, profile_model  # noqa: E402
 from adacc_hf.assets import load_smollm2, shakespeare_text  # noqa: E402
+from adacc_hf.integrations import write_artifacts  # noqa: E402
 from adacc_hf.profiler.phases import format_phases  # noqa: E402
 from adacc_hf.solver import budget_between  # noqa: E402
 from benchmarks.harness import env  # noqa: E402
@@ -91,17 +95,39 @@ def hf_step_s(model: torch.nn.Module, batch: dict) -> float:
     return statistics.median(times)
 
 
-def run(kind: str, fraction: float) -> dict[str, Any]:
+def run(kind: str, fraction: float, saved: str) -> dict[str, Any]:
+    """The run, then the same run started again from the profiles the first saved in `saved`."""
     rows, lengths = RUNS[kind]
     model, tokenizer = make_model(kind)
     data = batches(tokenizer, rows, lengths)
     hf = [hf_step_s(model, b) for b in data]
     static = estimate_static_memory(model, optimizer="adamw_torch")
     budget = budget_between(profile_model(model, data[0], repeats=1), static, fraction)
+    out: dict[str, Any] = {"kind": kind, "rows": rows, "budget_nbytes": budget}
+    for name, source in (("first", None), ("again", saved)):
+        if source is not None:
+            model, _ = make_model(kind)
+        out[name], session = planned(model, data, hf, budget, source, f"{kind} {name}")
+        if source is None:
+            write_artifacts(saved, session)
+        session.close()
+    return out
+
+
+def planned(
+    model: torch.nn.Module,
+    data: list[dict],
+    hf: list[float],
+    budget: int,
+    source: str | None,
+    label: str,
+) -> tuple[dict[str, Any], AdaccSession]:
+    """Train each batch twice under `prepare` (the first planning its bucket), from the profiles
+    in `source` where they match."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     t0 = time.perf_counter()
-    session = prepare(model, budget, optimizer=opt, adaptive=False)
-    out: dict[str, Any] = {"kind": kind, "rows": rows, "budget_nbytes": budget, "buckets": []}
+    session = prepare(model, budget, optimizer=opt, adaptive=False, profile_from=source)
+    out: dict[str, Any] = {"buckets": []}
     for batch, hf_s in zip(data, hf, strict=True):
         wall = step(model, opt, batch)
         steady = step(model, opt, batch)
@@ -116,17 +142,17 @@ def run(kind: str, fraction: float) -> dict[str, Any]:
             "adacc_step_s": steady,
             "hf_full_step_s": hf_s,
             "planning_in_hf_steps": planning / hf_s,
-            "policy": plan.policy.metadata.get("predicted", {}).get("peak_nbytes"),
+            "predicted_peak_nbytes": plan.policy.metadata.get("predicted", {}).get("peak_nbytes"),
+            "policy": plan.policy.fingerprint(),
         }
         out["buckets"].append(row)
         print(
-            f"{kind} {tuple(row['shape'])}: planning {format_phases(phases)} = "
+            f"{label} {tuple(row['shape'])}: planning {format_phases(phases)} = "
             f"{row['planning_in_hf_steps']:.2f} HF steps ({hf_s:.2f} s)",
             flush=True,
         )
     out["total_s"] = time.perf_counter() - t0
-    session.close()
-    return out
+    return out, session
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     env.set_threads(device, args.threads)
     result = env.header("profile_breakdown", argv, device)
     result["settings"] = vars(args)
-    result["runs"] = [run(kind, args.fraction) for kind in args.runs]
+    with tempfile.TemporaryDirectory() as saved:
+        result["runs"] = [run(kind, args.fraction, saved) for kind in args.runs]
     write_json(args.out, result)
     print(f"wrote {args.out}")
 

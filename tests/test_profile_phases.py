@@ -36,7 +36,7 @@ def test_the_models_own_head_alone_is_not_measured_and_plans_the_same():
     every = profile_model(model, batch, repeats=1, codecs=[], head="auto")
     own = profile_model(model, batch, repeats=1, codecs=[], head="full")
     assert set(every.heads) == {"full", "chunked"} and own.heads == {}
-    assert own.phase_ms["head"] < 0.05 * every.phase_ms["head"], (own.phase_ms, every.phase_ms)
+    assert own.phase_ms["head"] < 0.25 * every.phase_ms["head"], (own.phase_ms, every.phase_ms)
     for fraction in (0.2, 0.6):
         budget = budget_between(every, static, fraction)
         a = solve(every, budget, static_nbytes=static, head="full").policy

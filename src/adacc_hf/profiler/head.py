@@ -42,6 +42,10 @@ logger = logging.getLogger("adacc_hf")
 
 #: The slice of the sequence a head is measured on first, inside a budget (a fraction).
 FIRST_SLICE = 1 / 16
+#: Kept above the affine continuation of the model's own head when only its fit is in question:
+#: its bytes are affine in the tokens (logits, their loss terms and gradients), the margin is for
+#: allocations that round.
+AFFINE_MARGIN = 0.05
 
 
 def _losses(
@@ -136,8 +140,9 @@ def measure_heads(
 
     For a run that keeps the model's own head (``head="full"``) nothing is there to choose: empty
     too, unless the timeline may not fit `room` with it (what the run holds besides the head,
-    `rest_nbytes`, plus the head's peak bounded from the first slice, untimed); then every way, as
-    the timeline runs the chunked head and is moved back by their difference."""
+    `rest_nbytes`, plus the head's peak continued from two slices, bytes only, `AFFINE_MARGIN`
+    above); then every way, as the timeline runs the chunked head and is moved back by their
+    difference."""
     head_choice = head
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     labels = batch.get("labels")
@@ -166,9 +171,13 @@ def measure_heads(
             if room is None:
                 return out
             n = first["full"]
-            bound = scaled(head_cost(losses["full"], hidden[:, :n], params, amp, 0), length / n)
-            if rest_nbytes + head_peak(bound) <= room:
-                return out
+            if 2 * n < length:  # the affine continuation of two slices, bytes only
+                a, b = (
+                    head_cost(losses["full"], hidden[:, :k], params, amp, 0) for k in (n, 2 * n)
+                )
+                bound = extrapolate(a, b, n, 2 * n, length)
+                if rest_nbytes + math.ceil(head_peak(bound) * (1 + AFFINE_MARGIN)) <= room:
+                    return out
         for name, fn in losses.items():
             n = first[name]
             if room is None or (2 if name == "chunked" else 1) * n >= length:
