@@ -23,7 +23,7 @@ from test_entry_points import (
 from transformers import Trainer, TrainingArguments
 
 from adacc_hf import AdaccCallback, AdaccSession, AdaccTrainingArguments, prepare
-from adacc_hf.errors import AdaccError
+from adacc_hf.errors import AdaccError, PolicyError
 from adacc_hf.integrations import write_artifacts
 from adacc_hf.integrations.saved import PROFILES_FILE, read_profiles
 
@@ -117,3 +117,14 @@ def test_the_trainer_reuses_what_its_last_run_saved_in_output_dir(tmp_path, capl
 def test_a_missing_profile_path_is_an_error_before_any_work():
     with pytest.raises(AdaccError, match="profile_from: no such file"):
         AdaccTrainingArguments(output_dir="out", adacc=True, adacc_profile="/no/such/dir")
+
+
+def test_unreadable_saved_profiles_are_an_error_where_named_and_skipped_where_looked_for(
+    tmp_path, caplog
+):
+    (tmp_path / PROFILES_FILE).write_text("[{not json")
+    with pytest.raises(PolicyError, match="cannot read saved profiles"):
+        prepare(tiny()[0], "1GiB", profile_from=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="adacc_hf"):
+        assert read_profiles(str(tmp_path), strict=False) == []
+    assert "ignoring the saved profiles" in caplog.text

@@ -333,7 +333,7 @@ class AdaccCallback(TrainerCallback):
             if longest is not None:
                 config = dataclasses.replace(config, max_seq_len=longest)
         if config.profile_from is None:  # an earlier run of this one saved its profiles here
-            here = [d for d in (resume, args.output_dir) if d and read_profiles(d)]
+            here = [d for d in (resume, args.output_dir) if d and read_profiles(d, strict=False)]
             config = dataclasses.replace(config, profile_from=here[0] if here else "none")
         if choice is not None and policy is None:  # AdaccTrainer's automatic micro-batch
             policy, profile = choice.policy, choice.profile
