@@ -59,6 +59,17 @@ def fresh_bitsandbytes_overrides():
         bnb.optim.GlobalOptimManager.get_instance().initialize()
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """A Trainer leaves Accelerate's process-wide state initialized with its mixed precision,
+    which `detect_autocast` reads as the autocast of a later test's `prepare` (a bf16 TRL test
+    made the automatic micro-batch tests plan under bf16 when they ran after it)."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="module")
 def frozen_gc():
     """`activation_memory_report` runs a full `gc.collect()`, which scans every object torch and
