@@ -280,6 +280,21 @@ def test_leader_failure_stops_every_rank_instead_of_hanging(tmp_path):
 
 
 @launched
+def test_saved_profiles_are_used_on_every_rank_or_on_none(tmp_path):
+    rc = _run(
+        _torchrun(SCRIPTS / "saved_profiles.py", "--out", str(tmp_path)), tmp_path, timeout=240
+    )
+    assert rc == 0, _tail(tmp_path)
+    r0, r1 = _reports(tmp_path, "saved")
+    assert r0["first"]["profiled"] and r1["first"]["profiled"], (r0, r1)
+    # rank 1 found no saved profiles: both profile (a rank planning alone would leave the other's
+    # profiling collectives waiting)
+    assert r0["rank0_only"]["profiled"] and r1["rank0_only"]["profiled"], (r0, r1)
+    assert not r0["every_rank"]["profiled"] and not r1["every_rank"]["profiled"], (r0, r1)
+    assert r0["every_rank"]["policy"] == r1["every_rank"]["policy"] == r0["first"]["policy"]
+
+
+@launched
 @pytest.mark.slow  # 30 s; DDP with Adacc stays in the default run through the Trainer recipe
 # test and the per-rank peak test
 def test_ddp_with_adacc_matches_a_single_process_run_with_the_same_global_batch(tmp_path):

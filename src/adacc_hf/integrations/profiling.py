@@ -145,16 +145,20 @@ class SessionProfiling:
 
     def _saved_profile(self, key: ShapeKey) -> Profile | None:
         """The saved profile of `key`'s bucket measured as this run would measure it, on every
-        rank (profiling runs collectives on a sharded model, so all ranks profile or none)."""
-        if not self.saved_profiles:
-            return None
-        if self._fingerprint is None:
-            c = self.config
-            self._fingerprint = run_fingerprint(
-                self.model, self.autocast, c.codecs, c.codec_params()
-            )
-        now = {**self._fingerprint, "heads": self.config.head, "bucket": key_text(key)}
-        bucket = [p for p in self.saved_profiles if p.fingerprint.get("bucket") == now["bucket"]]
+        rank (profiling runs collectives on a sharded model, so all ranks profile or none; a rank
+        that found no saved profiles, e.g. on a node without the shared directory, still votes)."""
+        now: dict[str, str] = {"bucket": key_text(key)}
+        bucket: list[Profile] = []
+        if self.saved_profiles:
+            if self._fingerprint is None:
+                c = self.config
+                self._fingerprint = run_fingerprint(
+                    self.model, self.autocast, c.codecs, c.codec_params()
+                )
+            now = {**self._fingerprint, "heads": self.config.head, **now}
+            bucket = [
+                p for p in self.saved_profiles if p.fingerprint.get("bucket") == now["bucket"]
+            ]
         match = next((p for p in bucket if p.fingerprint == now), None)
         if self.coordinator.agree((int(match is None),))[0]:
             if bucket and self.coordinator.leader:
