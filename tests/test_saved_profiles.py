@@ -128,3 +128,22 @@ def test_unreadable_saved_profiles_are_an_error_where_named_and_skipped_where_lo
     with caplog.at_level(logging.WARNING, logger="adacc_hf"):
         assert read_profiles(str(tmp_path), strict=False) == []
     assert "ignoring the saved profiles" in caplog.text
+
+
+def test_a_forward_under_another_autocast_does_not_take_the_fp32_profile(tmp_path, caplog):
+    """Planned from a saved fp32 profile, then trained under bf16: the bf16 plan is measured under
+    bf16 (an fp32 profile's ops would not be the ones the bf16 forward runs)."""
+    model, short, long = tiny()
+    budget = long_budget(model, long, "adamw_torch")
+    write_artifacts(str(tmp_path), prepare(model, budget, short, **QUICK))
+    model.__dict__["_adacc_session"].close()
+    model, short, _ = tiny()
+    session = prepare(model, budget, short, profile_from=str(tmp_path), **QUICK)
+    assert session.current.profile.autocast is None
+    with caplog.at_level(logging.INFO, logger="adacc_hf"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**short).loss
+        loss.backward()
+    session.close()
+    assert "autocast: None -> torch.bfloat16" in caplog.text, caplog.text
+    assert session.current.profile.autocast == str(torch.bfloat16)

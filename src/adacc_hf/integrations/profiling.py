@@ -54,7 +54,6 @@ class SessionProfiling:
         # Profiles saved by an earlier run (`reuse_profiles`), used where their fingerprint holds.
         self.saved_profiles: list[Profile] = []
         self._saved_source = ""
-        self._fingerprint: dict[str, str] | None = None
         source = self.config.profile_from
         if source not in (None, "none"):
             self.reuse_profiles(read_profiles(source), source)
@@ -149,13 +148,10 @@ class SessionProfiling:
         that found no saved profiles, e.g. on a node without the shared directory, still votes)."""
         now: dict[str, str] = {"bucket": key_text(key)}
         bucket: list[Profile] = []
-        if self.saved_profiles:
-            if self._fingerprint is None:
-                c = self.config
-                self._fingerprint = run_fingerprint(
-                    self.model, self.autocast, c.codecs, c.codec_params()
-                )
-            now = {**self._fingerprint, "heads": self.config.head, **now}
+        if self.saved_profiles:  # this run's now: the autocast may have moved (`follow_autocast`)
+            c = self.config
+            run = run_fingerprint(self.model, self.autocast, c.codecs, c.codec_params())
+            now = {**run, "heads": c.head, **now}
             bucket = [
                 p for p in self.saved_profiles if p.fingerprint.get("bucket") == now["bucket"]
             ]
