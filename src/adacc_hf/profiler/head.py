@@ -143,20 +143,21 @@ def measure_heads(
     `rest_nbytes`, plus the head's peak continued from two slices, bytes only, `AFFINE_MARGIN`
     above); then every way, as the timeline runs the chunked head and is moved back by their
     difference."""
-    head_choice = head
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    lm = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     labels = batch.get("labels")
     if chunked_head_problem(base) is not None or not isinstance(labels, torch.Tensor):
         return {}  # one way only (the model's own, in the timeline): nothing to choose
-    assert isinstance(head, nn.Linear)
-    device = head.weight.device
+    if head == "full" and room is None:
+        return {}  # the timeline runs the model's own head whatever it holds
+    assert isinstance(lm, nn.Linear)
+    device = lm.weight.device
     labels = labels.to(device)
-    params = [p for p in head.parameters() if p.requires_grad]
+    params = [p for p in lm.parameters() if p.requires_grad]
     rows, length = labels.shape[0], labels.shape[-1]
-    chunk = default_chunk_rows(rows * length, head.in_features, head.out_features)
+    chunk = default_chunk_rows(rows * length, lm.in_features, lm.out_features)
     first = {"full": max(1, round(length * FIRST_SLICE)), "chunked": -(-chunk // rows)}
 
-    losses = _losses(base, head, labels, chunk)
+    losses = _losses(base, lm, labels, chunk)
 
     def amp() -> Any:
         return autocast_context(device, autocast)
@@ -166,18 +167,13 @@ def measure_heads(
 
     out: dict[str, HeadCost] = {}
     with train_mode(base):
-        hidden = _hidden(head, labels)
-        if head_choice == "full":
-            if room is None:
+        hidden = _hidden(lm, labels)
+        n = first["full"]
+        if head == "full" and 2 * n < length:  # the affine continuation of two slices, bytes only
+            a, b = (head_cost(losses["full"], hidden[:, :k], params, amp, 0) for k in (n, 2 * n))
+            bound = extrapolate(a, b, n, 2 * n, length)
+            if rest_nbytes + math.ceil(head_peak(bound) * (1 + AFFINE_MARGIN)) <= room:
                 return out
-            n = first["full"]
-            if 2 * n < length:  # the affine continuation of two slices, bytes only
-                a, b = (
-                    head_cost(losses["full"], hidden[:, :k], params, amp, 0) for k in (n, 2 * n)
-                )
-                bound = extrapolate(a, b, n, 2 * n, length)
-                if rest_nbytes + math.ceil(head_peak(bound) * (1 + AFFINE_MARGIN)) <= room:
-                    return out
         for name, fn in losses.items():
             n = first[name]
             if room is None or (2 if name == "chunked" else 1) * n >= length:
