@@ -14,6 +14,7 @@ from ..adapters import unwrap_model
 from ..errors import AdaccError
 from ..policy import Policy
 from ..runtime.head import chunked_head_problem
+from ..schema import Profile
 from .card import read_artifacts, write_artifacts
 from .config import AdaccConfig
 from .saved import read_profiles
@@ -332,9 +333,10 @@ class AdaccCallback(TrainerCallback):
             longest = longest_sequence(args, collate, getattr(loader, "dataset", None))
             if longest is not None:
                 config = dataclasses.replace(config, max_seq_len=longest)
+        saved: tuple[list[Profile], str] | None = None
         if config.profile_from is None:  # an earlier run of this one saved its profiles here
-            here = [d for d in (resume, args.output_dir) if d and read_profiles(d, strict=False)]
-            config = dataclasses.replace(config, profile_from=here[0] if here else "none")
+            found = ((read_profiles(d, strict=False), d) for d in (resume, args.output_dir) if d)
+            saved = next(((p, d) for p, d in found if p), None)
         if choice is not None and policy is None:  # AdaccTrainer's automatic micro-batch
             policy, profile = choice.policy, choice.profile
         self.session = AdaccSession(
@@ -351,6 +353,8 @@ class AdaccCallback(TrainerCallback):
             )
             self.session.batch_choice = choice
             self.session.events.append(choice.event())
+        if saved is not None:
+            self.session.reuse_profiles(*saved)
         if sched:
             self.session.restore_schedule(sched)
         self.session.oom_reserve_nbytes = reserve  # what the device showed it does not hold
