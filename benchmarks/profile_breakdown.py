@@ -41,26 +41,15 @@ if __package__ in (None, ""):
     sys.path.append(str(ROOT))
 
 from adacc_hf import AdaccSession, estimate_static_memory, prepare, profile_model  # noqa: E402
-from adacc_hf.assets import load_smollm2, shakespeare_text  # noqa: E402
+from adacc_hf.assets import shakespeare_text  # noqa: E402
 from adacc_hf.integrations import write_artifacts  # noqa: E402
 from adacc_hf.profiler.phases import format_phases  # noqa: E402
 from adacc_hf.solver import budget_between  # noqa: E402
+from benchmarks.bench_first_step import make_model  # noqa: E402
 from benchmarks.harness import env  # noqa: E402
 from benchmarks.harness.report import write_json  # noqa: E402
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RUNS = {"full": (4, [256]), "lora": (8, [192, 64, 128, 96])}
-
-
-def make_model(kind: str) -> tuple[torch.nn.Module, Any]:
-    model, tokenizer = load_smollm2()
-    model.config.use_cache = False
-    if kind == "lora":
-        import peft
-
-        config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
-        model = peft.get_peft_model(model, config)
-    return model.train(), tokenizer
 
 
 def batches(tokenizer: Any, rows: int, lengths: list[int]) -> list[dict[str, torch.Tensor]]:
