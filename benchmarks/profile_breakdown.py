@@ -14,7 +14,10 @@ Real SmolLM2-135M (offline) on real Shakespeare text, AdamW, a custom loop under
 Per bucket: the wall time of the step that planned it (profiling, solving and measuring the
 policy's action tables, then the step itself), the session's per-phase breakdown
 (`adacc_hf.profiler.phases`), and HF full checkpointing's step time on the same batch (median of
-two after one warm-up) for the ratio the issue sets: first bucket ≤ 3 steps, later ones ≤ 0.5.
+two after one warm-up) for the ratio the issue sets: first bucket ≤ 3 steps, later ones ≤ 0.5;
+whether the bucket's memory was measured or interpolated (`adacc_hf.profiler.derive`), and the
+step's real peak (`measure_step_peak`: every allocation of the CPU allocator) against the
+prediction and the budget.
 The budget is `--fraction` of the way from full recomputation's step peak to no
 checkpointing's on the longest bucket. Each run is then started again on a fresh model from the
 profiles the first saved (``profile_from``, as the Trainer reads its output directory): the
@@ -40,7 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.append(str(ROOT))
 
-from adacc_hf import AdaccSession, estimate_static_memory, prepare, profile_model  # noqa: E402
+from adacc_hf import (  # noqa: E402
+    AdaccSession,
+    estimate_static_memory,
+    measure_step_peak,
+    prepare,
+    profile_model,
+)
 from adacc_hf.assets import shakespeare_text  # noqa: E402
 from adacc_hf.integrations import write_artifacts  # noqa: E402
 from adacc_hf.profiler.phases import format_phases  # noqa: E402
@@ -120,7 +129,10 @@ def planned(
     for batch, hf_s in zip(data, hf, strict=True):
         wall = step(model, opt, batch)
         steady = step(model, opt, batch)
+        peak = measure_step_peak(model, batch, opt).peak_nbytes  # every allocation, exact
+        opt.zero_grad(set_to_none=True)
         plan = session.current
+        predicted = plan.policy.metadata.get("predicted", {}).get("peak_nbytes")
         phases = plan.policy.metadata.get("planning_ms", {})
         planning = sum(phases.values()) / 1e3
         row = {
@@ -131,13 +143,17 @@ def planned(
             "adacc_step_s": steady,
             "hf_full_step_s": hf_s,
             "planning_in_hf_steps": planning / hf_s,
-            "predicted_peak_nbytes": plan.policy.metadata.get("predicted", {}).get("peak_nbytes"),
+            "predicted_peak_nbytes": predicted,
+            "measured_peak_nbytes": peak,
+            "memory": "interpolated" if plan.profile.memory_from else "measured",
             "policy": plan.policy.fingerprint(),
         }
         out["buckets"].append(row)
         print(
             f"{label} {tuple(row['shape'])}: planning {format_phases(phases)} = "
-            f"{row['planning_in_hf_steps']:.2f} HF steps ({hf_s:.2f} s)",
+            f"{row['planning_in_hf_steps']:.2f} HF steps ({hf_s:.2f} s); {row['memory']} memory, "
+            f"step peak {peak / 2**20:.1f} MiB, predicted {(predicted or 0) / 2**20:.1f} MiB, "
+            f"budget {budget / 2**20:.1f} MiB",
             flush=True,
         )
     out["total_s"] = time.perf_counter() - t0

@@ -8,6 +8,11 @@ anyone's peak statistics) are that step's highest. When they exceed the budget, 
 just ran is planned again with the overshoot (and a margin) kept free, the allocator's cache is
 emptied so the new plan's smaller footprint can show, and an event is logged. Off CUDA (exact
 accounting) the guard does nothing.
+
+`DerivedCheck` watches the first step of a bucket whose memory was interpolated rather than
+measured (`profiler.derive`): the allocator's highest allocated bytes over that step against the
+prediction. The interpolation never under-counts on CPU (tests/test_derive.py); where a device
+allocates more than predicted, the bucket is profiled in full before its next batch.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..runtime.allocator import reserved_nbytes
+from ..runtime.allocator import allocated_peak_nbytes, reserved_nbytes, reset_allocated_peak
 from .plans import AdaccEvent, Plan
 
-__all__ = ["MARGIN", "ReservedGuard"]
+__all__ = ["MARGIN", "DerivedCheck", "ReservedGuard"]
 
 logger = logging.getLogger("adacc_hf")
 
@@ -68,3 +73,56 @@ class ReservedGuard:
         return AdaccEvent(
             step, "guard", None, msg, {"adacc/reserved_over_budget_mib": over / 2**20}
         )
+
+
+def _predicted(plan: Plan) -> int | None:
+    pred = plan.policy.metadata.get("predicted")
+    return pred.get("peak_nbytes") if isinstance(pred, dict) else None
+
+
+class DerivedCheck:
+    """The first step of each bucket planned from interpolated memory, against its prediction
+    (CUDA: the allocator's peak counter, reset as the step starts; off CUDA nothing is read)."""
+
+    def __init__(
+        self,
+        reset: Callable[[torch.device], None] = reset_allocated_peak,
+        read: Callable[[torch.device], int | None] = allocated_peak_nbytes,
+    ) -> None:
+        self.reset, self.read = reset, read
+        self.watched: list[Plan] = []  # the plans of the step being watched
+        self.checked: set[int] = set()  # ids of the plans whose step was checked
+
+    def step_uses(self, plan: Plan | None, device: torch.device) -> None:
+        """Before a training forward runs `plan`: start watching the step if `plan`'s memory is
+        interpolated and unchecked, and note every plan the watched step runs."""
+        if plan is None or plan.profile is None or plan.key is None:
+            return
+        if not self.watched:
+            if not plan.profile.memory_from or id(plan) in self.checked:
+                return
+            self.reset(device)
+        if all(p is not plan for p in self.watched):
+            self.watched.append(plan)
+
+    def step_ended(
+        self,
+        device: torch.device,
+        agree: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
+    ) -> list[Plan]:
+        """After the watched step: the plans whose interpolated memory it disproved (the step's
+        peak passed the highest prediction of the plans it ran by more than `MARGIN`). `agree`
+        (a coordinator's: the largest of every rank's) makes every rank decide alike; every rank
+        watches the same steps (the buckets are agreed on)."""
+        watched, self.watched = self.watched, []
+        if not watched:
+            return []
+        self.checked.update(id(p) for p in watched)
+        peak = self.read(device)
+        predicted = [p for plan in watched if (p := _predicted(plan)) is not None]
+        over = peak is not None and bool(predicted) and peak > max(predicted) + MARGIN
+        if agree is not None:
+            over = bool(agree((int(over),))[0])
+        if not over:
+            return []
+        return [p for p in watched if p.profile is not None and p.profile.memory_from]

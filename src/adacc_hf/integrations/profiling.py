@@ -1,6 +1,7 @@
 """Profiling a bucket for `AdaccSession`: the room it may use, the profile measured (op costs
-scaled from the nearest profiled bucket, memory always measured), or reused from what an earlier
-run saved where its fingerprint is this run's (`profiler.fingerprint`)."""
+scaled from the nearest profiled bucket; memory measured, or interpolated from a measured bucket
+that contains it and the tiny bucket: `profiler.derive`), or reused from what an earlier run saved
+where its fingerprint is this run's (`profiler.fingerprint`)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import torch
 from torch import nn
 
 from ..profiler import BlockProbe, capture_probes, profile_model
+from ..profiler.derive import contains, interpolate_memory, ratio
 from ..profiler.fingerprint import differences, run_fingerprint
+from ..profiler.memory import sharded
 from ..profiler.room import profiling_room
 from ..runtime.peak import storage_nbytes
 from ..runtime.sharded import forwards_without_backward
 from ..schema import Profile
 from .saved import read_profiles
-from .shapes import ShapeKey, key_text, key_tokens, padded
+from .shapes import ShapeKey, derivable, key_text, key_tokens, padded, tiny_batch, tiny_key
 
 if TYPE_CHECKING:
     from ..solver import StaticMemory
@@ -44,6 +47,7 @@ class SessionProfiling:
     coordinator: Coordinator
     autocast: torch.dtype | None
     profiles: dict[ShapeKey, Profile]
+    plans: dict
     oom_reserve_nbytes: int
     _planning: bool
 
@@ -54,6 +58,8 @@ class SessionProfiling:
         # Profiles saved by an earlier run (`reuse_profiles`), used where their fingerprint holds.
         self.saved_profiles: list[Profile] = []
         self._saved_source = ""
+        # buckets whose interpolated memory a step disproved (`guard.DerivedCheck`): measured
+        self.full_memory: set[ShapeKey] = set()
         source = self.config.profile_from
         if source not in (None, "none"):
             self.reuse_profiles(read_profiles(source), source)
@@ -76,6 +82,8 @@ class SessionProfiling:
         """`key`'s profile, saved or measured now, and the profiled blocks with their inputs."""
         probes: dict[str, BlockProbe] = {}
         saved = self._saved_profile(key)
+        if saved is not None and saved.memory_from and key in self.full_memory:
+            saved = None
         if saved is None:
             profile = self.profiles[key] = self._profile(batch, key, probes, room)
             return profile, probes
@@ -101,23 +109,82 @@ class SessionProfiling:
         probes: dict | None = None,
         room: int | None = None,
     ) -> Profile:
-        """Profile `batch` padded to `key`'s edge, within `room` bytes less the padded copy; op
-        costs scale from the nearest profiled bucket when there is one (memory is always
-        measured)."""
+        """Profile `batch` padded to `key`'s edge, within `room` bytes less the padded copy. Op
+        costs scale from the nearest profiled bucket when there is one; memory is measured, or
+        interpolated (`profiler.derive`) between the tiny bucket and a measured one that contains
+        this one, the tiny bucket measured the first time."""
         sample = self._padded(batch, key)
         alike = [(k, p) for k, p in self.profiles.items() if k[-1] == key[-1]]  # same masking
         near = min(
             alike, key=lambda kv: abs(key_tokens(kv[0]) - key_tokens(key)), default=(None, None)
         )[1]
+        # a sharded model's backward is estimated from what it holds (`memory.estimate`), not
+        # measured: the chord's bound holds for measured levels only
+        derive = key not in self.full_memory and derivable(batch) and not sharded(self.model)
+        outer = self._outer(key) if derive else None
         if self.coordinator.leader:
             logger.info(
-                "adacc: profiling bucket %s (one block per group, %d timed runs per op)...",
+                "adacc: profiling bucket %s (one block per group, %d timed runs per op%s)...",
                 key_text(key),
                 self.config.profile_repeats,
+                f"; memory from {key_text(outer)}" if outer else "",
             )
+        if outer is None:
+            profile = self._run_profile(sample, near, probes, room)
+        else:
+            small = tiny_key(key)
+            tiny = self.profiles.get(small)
+            if tiny is None:
+                pad = self._pad_id()
+                tiny = self._run_profile(
+                    tiny_batch(batch, key, pad), self.profiles[outer], None, room
+                )
+                tiny.fingerprint["bucket"] = key_text(small)
+                self.profiles[small] = tiny
+            profile = self._run_profile(sample, near, probes, room, memory=False)
+            r = ratio(small[:-1], outer[:-1], key[:-1])
+            scale = key_tokens(key) / key_tokens(outer)
+            interpolate_memory(profile, tiny, self.profiles[outer], r, scale)
+            profile.memory_from = [key_text(small), key_text(outer)]
+        profile.fingerprint["bucket"] = key_text(key)
+        return profile
+
+    def measure_in_full(self, plan: Any) -> None:
+        """Profile `plan`'s bucket anew, its memory measured, before its next batch: a step of it
+        allocated more than its interpolated memory predicted (`guard.DerivedCheck`)."""
+        key = plan.key
+        self.full_memory.add(key)
+        self.profiles.pop(key, None)
+        self.plans.pop(key, None)
+        logger.warning(
+            "adacc: bucket %s allocated more than its memory interpolated from %s predicted; "
+            "profiling it in full before its next batch",
+            key_text(key),
+            " and ".join(plan.profile.memory_from),
+        )
+
+    def _outer(self, key: ShapeKey) -> ShapeKey | None:
+        """The smallest bucket with measured memory that contains `key` (same masking, every
+        dimension at least as large), if any."""
+        found = [
+            k
+            for k, p in self.profiles.items()
+            if k[-1] == key[-1] and not p.memory_from and k != tiny_key(key)
+            and contains(k[:-1], key[:-1])
+        ]  # fmt: skip
+        return min(found, key=key_tokens, default=None)
+
+    def _run_profile(
+        self,
+        sample: Mapping[str, Any],
+        near: Profile | None,
+        probes: dict | None,
+        room: int | None,
+        memory: bool = True,
+    ) -> Profile:
         # On every rank: under ZeRO-3 / FSDP these forwards all-gather parameters.
         with self.own_forwards():
-            profile = profile_model(
+            return profile_model(
                 self.model,
                 sample,
                 codecs=self.config.codecs,
@@ -128,13 +195,15 @@ class SessionProfiling:
                 probes=probes,
                 room=None if room is None else max(0, room - storage_nbytes(sample.values())),
                 head=self.config.head,
+                memory=memory,
             )
-        profile.fingerprint["bucket"] = key_text(key)
-        return profile
+
+    def _pad_id(self) -> int | None:
+        pad = getattr(self.model.config, "pad_token_id", None)
+        return pad if isinstance(pad, int) else None
 
     def _padded(self, batch: Mapping[str, Any], key: ShapeKey) -> dict[str, Any]:
-        pad = getattr(self.model.config, "pad_token_id", None)
-        return padded(batch, key, pad if isinstance(pad, int) else None)
+        return padded(batch, key, self._pad_id())
 
     def reuse_profiles(self, profiles: list[Profile], source: str) -> None:
         """Plan from these saved profiles (an earlier run's ``adacc_profiles.json``) where one's

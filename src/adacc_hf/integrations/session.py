@@ -45,7 +45,7 @@ from ..solver import (
 )
 from .config import AdaccConfig, detect_autocast
 from .coordinator import Coordinator, coordinator_for_process
-from .guard import ReservedGuard
+from .guard import DerivedCheck, ReservedGuard
 from .plans import AdaccEvent, Plan
 from .profiling import SessionProfiling, serves
 from .shapes import ShapeKey, key_text, shape_key
@@ -101,6 +101,7 @@ class AdaccSession(StepHooks, SessionProfiling):
         self._planning = False
         self._tracker: OutlierTracker | None = None
         self.guard = ReservedGuard()
+        self.derived_check = DerivedCheck()
         # Kept free below the budget by every plan after out-of-memory errors (`oom`).
         self.oom_reserve_nbytes = 0
         self._ooms_seen = oom_count(self.device)
@@ -365,6 +366,7 @@ class AdaccSession(StepHooks, SessionProfiling):
                 self.setup(batch, forward=True)
             else:
                 self.use(self.plan(batch))
+            self.derived_check.step_uses(self.current, self.device)
             head = self.handle.head if self.handle is not None else None
             if head is not None:  # installed in this hook: torch will not call its pre-hook now
                 head.arm(module, kwargs)

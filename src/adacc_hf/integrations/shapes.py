@@ -160,3 +160,30 @@ def row_tokens(key: ShapeKey) -> int:
 def key_tokens(key: ShapeKey) -> int:
     """The tokens of a bucket's batch (batch x a row's tokens)."""
     return key[0] * row_tokens(key)
+
+
+#: The rows and tokens per sequence of the *tiny* bucket later buckets' memory is interpolated
+#: from (`profiler.derive`): the smallest bucket edge.
+TINY = (1, 8)
+
+
+def tiny_key(key: ShapeKey) -> ShapeKey:
+    """The tiny bucket of `key`'s kind: one row of `TINY` tokens per sequence, the same masking."""
+    return (TINY[0], *(TINY[1] for _ in key[1:-1]), key[-1])
+
+
+def tiny_batch(batch: Mapping[str, Any], key: ShapeKey, pad_token_id: int | None) -> dict[str, Any]:
+    """`batch` cut to its first row and first tokens, then padded to `key`'s tiny bucket: a masked
+    bucket keeps its last position padded, so attention takes the masked path as in the run."""
+    cut = TINY[1] - int(bool(key[-1]))
+    out = {
+        k: v[:1, :cut] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
+        for k, v in batch.items()
+    }
+    return padded(out, tiny_key(key), pad_token_id)
+
+
+def derivable(batch: Mapping[str, Any]) -> bool:
+    """Whether a bucket of `batch` can take its memory from others: not a padding-free batch with
+    varlen boundaries, which cutting to the tiny bucket would break."""
+    return not any(k in batch for k in (*CU_SEQ_KEYS, *MAX_LENGTH_KEYS, "seq_idx"))

@@ -58,6 +58,8 @@ class StepHooks:
     def on_step_end(self: AdaccSession, step: int) -> AdaccEvent | None:
         """Call after optimizer step `step`: the reserved-memory guard; on tracking steps,
         re-solve and maybe switch."""
+        for plan in self.derived_check.step_ended(self.device, self.coordinator.agree):
+            self.measure_in_full(plan)
         if self.active and not self.fixed:
             guarded = self.guard.check(
                 self.current, self.budget_nbytes, self.device, step, self.coordinator.agree

@@ -68,6 +68,7 @@ def profile_model(
     probes: dict | None = None,
     room: int | None = None,
     head: str = "auto",
+    memory: bool = True,
 ) -> Profile:
     """Measure one block of each group on the model's device with the real micro-batch.
 
@@ -76,11 +77,12 @@ def profile_model(
     after `warmup` give medians; `autocast`: the dtype the run's forward autocasts to (bf16 /
     fp16 mixed precision), so ops, sizes and times are those of the run. With a `reference`
     profile of the same model at another batch shape, op costs are scaled from it (memory is
-    always measured). `probes` (a dict) gets each group's profiled block and its inputs, for
+    measured unless ``memory=False``). `probes` (a dict) gets each group's profiled block and its inputs, for
     measuring action tables later (`variants.measure_variants`). `room`: the bytes profiling may
     add above what is alive when it starts (None: no limit; see the module docstring). `head`:
-    the run's LM head option; ``"full"`` measures no other way (`head.measure_heads`). Where the
-    time went is in the profile's ``phase_ms`` (`phases`).
+    the run's LM head option; ``"full"`` measures no other way (`head.measure_heads`).
+    ``memory=False`` runs the op pass alone: the memory fields and heads are left empty for
+    `derive.interpolate_memory`. Where the time went is in the profile's ``phase_ms`` (`phases`).
     """
     with recording() as phase_ms:
         profile = _profile_model(
@@ -95,6 +97,7 @@ def profile_model(
             probes=probes,
             room=room,
             head=head,
+            memory=memory,
         )
     profile.phase_ms = {k: round(v, 1) for k, v in phase_ms.items()}
     return profile
@@ -113,6 +116,7 @@ def _profile_model(
     probes: dict | None,
     room: int | None,
     head: str,
+    memory: bool,
 ) -> Profile:
     t_start = time.perf_counter()
     adapter = get_adapter(model)
@@ -144,26 +148,12 @@ def _profile_model(
             with autocast_context(device, autocast, cache=False):
                 run_representatives(base, sample_batch, visit)
             bar.update(1)
-            bar.set_description("adacc profiling: LM head")
+            bar.set_description("adacc profiling: LM head and step memory")
             groups = adapter.block_groups(base)
             specs = {g.name: [o.spec() for o in measured[g.name].ops] for g in groups}
-            # each way of running the LM head and loss (a sharded head gathers across ranks),
-            # first: the timeline runs the chunked head where the model's own does not fit
             batch = dict(sample_batch)
-            with phase("head"):
-                rest = timeline_rest_nbytes(base, groups, batch)
-                heads = (
-                    {}
-                    if sharded(base)
-                    else measure_heads(
-                        base, batch, autocast, room=room, head=head, rest_nbytes=rest
-                    )
-                )
-            bar.update(1)
-            bar.set_description("adacc profiling: step memory")
-            with phase("memory"):
-                mem = measure(base, batch, groups, specs, autocast, room, heads)
-            bar.update(1)
+            heads, mem = _memory(base, batch, groups, specs, autocast, room, head, memory)
+            bar.update(2)
             if mem.skipped:
                 logger.info(
                     "adacc: profiling within %.2f MiB skipped %s", room / 2**20, mem.skipped
@@ -238,6 +228,35 @@ def _profile_model(
     bar.update(1)
     bar.close()
     return profile
+
+
+def _memory(
+    base: nn.Module,
+    batch: dict[str, Any],
+    groups: list,
+    specs: dict,
+    autocast: torch.dtype | None,
+    room: int | None,
+    head: str,
+    memory: bool,
+) -> tuple[dict, StepMemory]:
+    """Each way of running the LM head and loss (a sharded head gathers across ranks; first: the
+    timeline runs the chunked head where the model's own does not fit), then the step's memory
+    (`memory.measure`); with ``memory=False`` neither (zeros, for `derive`)."""
+    if not memory:
+        zero = {g.name: 0 for g in groups}
+        mem = StepMemory(zero, zero, 0, 0, 0, zero, block_transient=zero, plain_transient=zero)
+        return {}, mem
+    with phase("head"):
+        rest = timeline_rest_nbytes(base, groups, batch)
+        heads = (
+            {}
+            if sharded(base)
+            else measure_heads(base, batch, autocast, room=room, head=head, rest_nbytes=rest)
+        )
+    with phase("memory"):
+        mem = measure(base, batch, groups, specs, autocast, room, heads)
+    return heads, mem
 
 
 def capture_probes(

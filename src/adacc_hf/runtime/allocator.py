@@ -81,3 +81,17 @@ def reserved_nbytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.memory_reserved(device)
+
+
+def allocated_peak_nbytes(device: torch.device) -> int | None:
+    """The highest bytes CUDA's allocator handed out since its last peak reset (None off CUDA). A
+    host counter: no device sync."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device)
+
+
+def reset_allocated_peak(device: torch.device) -> None:
+    """Start a new peak window of `allocated_peak_nbytes` (nothing off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

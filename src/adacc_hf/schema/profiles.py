@@ -176,6 +176,9 @@ class Profile:
     library_version: str = ""
     # what the measurements depend on besides the batch (`profiler.fingerprint`), and the bucket
     fingerprint: dict[str, str] = field(default_factory=dict)
+    # the two buckets this profile's memory was interpolated between (`profiler.derive`), tiny
+    # first; empty: measured
+    memory_from: list[str] = field(default_factory=list)
     format_version: int = PROFILE_FORMAT
 
     def to_json(self) -> str:

@@ -1,0 +1,163 @@
+"""A later bucket's memory from two measured ones, without running the model (issue 32).
+
+Every byte a training step holds or allocates above its start is either the same at every batch
+shape (parameter gradients, autocast's weight casts, checkpoint frames) or an activation whose
+size grows with the batch: tokens x width (hidden states, projections, logits), or faster
+(attention's scores and masks: rows x length^2). Every level and peak the memory pass measures is
+the highest of such sums over the step's moments. Two measured profiles of the same model at
+nested shapes -- a *tiny* bucket (one row of 8 tokens: the constants, and almost nothing else)
+and a *near* one that contains the new bucket in every dimension -- give each field at the new
+bucket by the chord between them, at the new bucket's share of the way in tokens (`ratio`).
+
+That chord never under-counts: each moment's level is a constant plus terms that grow at least as
+fast as tokens between the two shapes, so the chord lies on or above it, and the chord of the
+highest of several moments lies on or above the highest of their chords. It is exact where
+activations scale with tokens (SDPA, the model's LM head), and over-counts attention's quadratic
+parts by their share of the difference. The session checks the bucket's first real step against
+the prediction and profiles the bucket in full where the two differ (`integrations.profiling`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import fields
+
+from ..schema import GroupProfile, HeadCost, Profile, Timeline
+
+__all__ = [
+    "GROUP_BYTES",
+    "PROFILE_BYTES",
+    "contains",
+    "group_ratio",
+    "interpolate_memory",
+    "ratio",
+]
+
+#: `GroupProfile` fields that are bytes measured by the memory pass.
+GROUP_BYTES = (
+    "input_nbytes",
+    "full_nbytes",
+    "transient_nbytes",
+    "plain_transient_nbytes",
+    "output_nbytes",
+    "forward_transient_nbytes",
+    "plain_forward_transient_nbytes",
+    "full_interior_nbytes",
+    "plain_cast_nbytes",
+)
+#: `Profile` fields that are bytes measured by the memory pass.
+PROFILE_BYTES = (
+    "nonblock_nbytes",
+    "nonblock_before_nbytes",
+    "head_transient_nbytes",
+    "forward_transient_nbytes",
+    "tail_transient_nbytes",
+)
+
+
+def contains(outer: Sequence[int], inner: Sequence[int]) -> bool:
+    """Whether a batch of shape `outer` (rows, then each sequence length) is at least `inner` in
+    every dimension."""
+    return len(outer) == len(inner) and all(o >= i for o, i in zip(outer, inner, strict=True))
+
+
+def ratio(tiny: Sequence[int], near: Sequence[int], new: Sequence[int]) -> float:
+    """How far `new` lies from `tiny` towards `near` (shapes: rows, then each sequence length),
+    in tokens: the largest over the sequences of (rows x length) moved, so a term of any one
+    sequence is covered (an encoder-decoder batch whose decoder shrank more than its encoder)."""
+    out = 0.0
+    for k in range(1, len(new)):
+        lo, hi, at = tiny[0] * tiny[k], near[0] * near[k], new[0] * new[k]
+        out = max(out, 1.0 if hi <= lo else (at - lo) / (hi - lo))
+    return min(1.0, max(0.0, out))
+
+
+#: Added to every interpolated byte count: terms per row rather than per token (a row's loss and
+#: length) that the token chord can miss (measured: at most 85 bytes on SmolLM2).
+SLACK = 4096
+
+
+def _lerp(lo: int, hi: int, r: float) -> int:
+    """The chord from `lo` to `hi` at `r`, rounded up, plus `SLACK`; a field that did not grow
+    with the batch (measured less at the larger shape) keeps the larger of the two. Zero stays
+    zero (a field not measured)."""
+    if hi == 0:
+        return 0
+    if hi < lo:
+        return lo + SLACK
+    return lo + math.ceil((hi - lo) * r) + SLACK
+
+
+def _lerp_list(lo: list[int], hi: list[int], r: float) -> list[int]:
+    if len(lo) != len(hi):
+        return list(hi)
+    return [_lerp(a, b, r) for a, b in zip(lo, hi, strict=True)]
+
+
+def _timeline(lo: Timeline | None, hi: Timeline | None, r: float) -> Timeline | None:
+    if lo is None or hi is None:
+        return hi
+    out = {}
+    for f in fields(Timeline):
+        a, b = getattr(lo, f.name), getattr(hi, f.name)
+        out[f.name] = _lerp_list(a, b, r) if isinstance(b, list) else _lerp(a, b, r)
+    return Timeline(**out)
+
+
+def _head(name: str, lo: HeadCost | None, hi: HeadCost, r: float, time_scale: float) -> HeadCost:
+    """A head's cost between `lo` and `hi`. The chunked head's peaks are a chunk's logits, which
+    stop growing with tokens once a chunk is full (concave: a chord would under-count them), so
+    they keep the near bucket's; what any head holds grows with tokens."""
+    ms = hi.ms * time_scale  # the head's matmul and loss, proportional to tokens
+    if lo is None:
+        return HeadCost(hi.held, hi.forward_peak, hi.backward_peak, ms)
+    if name != "full":
+        return HeadCost(_lerp(lo.held, hi.held, r), hi.forward_peak, hi.backward_peak, ms)
+    return HeadCost(
+        held=_lerp(lo.held, hi.held, r),
+        forward_peak=_lerp(lo.forward_peak, hi.forward_peak, r),
+        backward_peak=_lerp(lo.backward_peak, hi.backward_peak, r),
+        ms=ms,
+    )
+
+
+def group_ratio(lo: GroupProfile, hi: GroupProfile, new: GroupProfile, r: float) -> float:
+    """`ratio` for one block group: the largest of its ops' own (each op's output bytes from `lo`
+    to `hi`), so an encoder block follows the encoder's length; `r` where the ops differ."""
+    lo_ops, hi_ops = {o.key: o for o in lo.ops}, {o.key: o for o in hi.ops}
+    out = 0.0
+    for o in new.ops:
+        a, b = lo_ops.get(o.key), hi_ops.get(o.key)
+        if a is None or b is None:
+            return r
+        if b.nbytes > a.nbytes:
+            out = max(out, (o.nbytes - a.nbytes) / (b.nbytes - a.nbytes))
+    return min(1.0, out) if new.ops else r
+
+
+def interpolate_memory(
+    into: Profile, tiny: Profile, near: Profile, r: float, time_scale: float
+) -> None:
+    """Fill `into`'s memory fields (groups, outside the blocks, timeline, heads) by the chord from
+    `tiny` to `near` at `r` (`ratio`; a block group's own fields at `group_ratio`); head times
+    are `near`'s scaled by `time_scale`."""
+    for name, g in into.groups.items():
+        lo, hi = tiny.groups.get(name), near.groups.get(name)
+        if hi is None:
+            continue
+        lo = lo or hi
+        rg = group_ratio(lo, hi, g, r)
+        for f in GROUP_BYTES:
+            setattr(g, f, _lerp(getattr(lo, f), getattr(hi, f), rg))
+        _same_blocks(g, hi)
+    for f in PROFILE_BYTES:
+        setattr(into, f, _lerp(getattr(tiny, f), getattr(near, f), r))
+    into.timeline = _timeline(tiny.timeline, near.timeline, r)
+    into.heads = {k: _head(k, tiny.heads.get(k), h, r, time_scale) for k, h in near.heads.items()}
+
+
+def _same_blocks(g: GroupProfile, near: GroupProfile) -> None:
+    """Per-block constants of the near profile (parameter gradients, checkpoint frames)."""
+    g.grad_nbytes = near.grad_nbytes
+    g.frame_nbytes = near.frame_nbytes
