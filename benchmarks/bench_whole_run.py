@@ -46,6 +46,7 @@ from benchmarks.harness.report import write_json  # noqa: E402
 def one_run(args: argparse.Namespace) -> dict[str, Any]:
     """One run (``--only hf|adacc``) in this process, on one thread."""
     from adacc_hf import AdaccCallback
+    from adacc_hf.integrations.shapes import key_text
 
     env.set_threads(torch.device("cpu"), 1)
     model, tok = make_model("lora")
@@ -67,7 +68,7 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
         )
         out["plans"] = len(plans)
         out["profiles"] = {
-            " x ".join(map(str, k[:-1])): ("interpolated" if p.memory_from else "measured")
+            key_text(k): ("interpolated" if p.memory_from else "measured")
             for k, p in session.profiles.items()
         }
     return out

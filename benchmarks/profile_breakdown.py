@@ -1,6 +1,6 @@
 """Where planning time goes, against the step it plans for (issue 32).
 
-    python benchmarks/profile_breakdown.py [--runs full lora] [--fraction 0.5]
+    python benchmarks/profile_breakdown.py [--runs full lora] [--fraction 0.5] [--device cuda]
         [--out benchmarks/results/profile-breakdown-cpu.json]
 
 Real SmolLM2-135M (offline) on real Shakespeare text, AdamW, a custom loop under
@@ -16,8 +16,11 @@ policy's action tables, then the step itself), the session's per-phase breakdown
 (`adacc_hf.profiler.phases`), and HF full checkpointing's step time on the same batch (median of
 two after one warm-up) for the ratio the issue sets: first bucket ≤ 3 steps, later ones ≤ 0.5;
 whether the bucket's memory was measured or interpolated (`adacc_hf.profiler.derive`), and the
-step's real peak (`measure_step_peak`: every allocation of the CPU allocator) against the
-prediction and the budget.
+step's real peak (`measure_step_peak`: on CPU every allocation of the allocator, on CUDA its
+peak counter) against the prediction and the budget. On CUDA (``--device cuda``) the session also
+checks each interpolated bucket's first step on the allocator's counter (`guard.DerivedCheck`):
+``measured_after_check`` lists the buckets it sent to a full profile.
+
 The budget is `--fraction` of the way from full recomputation's step peak to no
 checkpointing's on the longest bucket. Each run is then started again on a fresh model from the
 profiles the first saved (``profile_from``, as the Trainer reads its output directory): the
@@ -75,10 +78,13 @@ def batches(tokenizer: Any, rows: int, lengths: list[int]) -> list[dict[str, tor
 
 
 def step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> float:
+    cuda = batch["input_ids"].is_cuda
     t0 = time.perf_counter()
     model(**batch).loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -93,11 +99,12 @@ def hf_step_s(model: torch.nn.Module, batch: dict) -> float:
     return statistics.median(times)
 
 
-def run(kind: str, fraction: float, saved: str) -> dict[str, Any]:
+def run(kind: str, fraction: float, saved: str, device: torch.device) -> dict[str, Any]:
     """The run, then the same run started again from the profiles the first saved in `saved`."""
     rows, lengths = RUNS[kind]
     model, tokenizer = make_model(kind)
-    data = batches(tokenizer, rows, lengths)
+    model.to(device)
+    data = [{k: v.to(device) for k, v in b.items()} for b in batches(tokenizer, rows, lengths)]
     hf = [hf_step_s(model, b) for b in data]
     static = estimate_static_memory(model, optimizer="adamw_torch")
     budget = budget_between(profile_model(model, data[0], repeats=1), static, fraction)
@@ -105,6 +112,7 @@ def run(kind: str, fraction: float, saved: str) -> dict[str, Any]:
     for name, source in (("first", None), ("again", saved)):
         if source is not None:
             model, _ = make_model(kind)
+            model.to(device)
         out[name], session = planned(model, data, hf, budget, source, f"{kind} {name}")
         if source is None:
             write_artifacts(saved, session)
@@ -126,9 +134,11 @@ def planned(
     t0 = time.perf_counter()
     session = prepare(model, budget, optimizer=opt, adaptive=False, profile_from=source)
     out: dict[str, Any] = {"buckets": []}
-    for batch, hf_s in zip(data, hf, strict=True):
+    for i, (batch, hf_s) in enumerate(zip(data, hf, strict=True)):
         wall = step(model, opt, batch)
+        session.step_done(2 * i + 1)  # on CUDA: an interpolated bucket's first step is checked
         steady = step(model, opt, batch)
+        session.step_done(2 * i + 2)
         peak = measure_step_peak(model, batch, opt).peak_nbytes  # every allocation, exact
         opt.zero_grad(set_to_none=True)
         plan = session.current
@@ -157,6 +167,8 @@ def planned(
             flush=True,
         )
     out["total_s"] = time.perf_counter() - t0
+    # buckets whose first step allocated more than their interpolated memory predicted (CUDA)
+    out["measured_after_check"] = [list(k) for k in sorted(session.full_memory)]
     return out, session
 
 
@@ -165,14 +177,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--fraction", type=float, default=0.5)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cuda: the allocator's counters, no replay")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/profile-breakdown-cpu.json"))
     args = p.parse_args(argv)
-    device = torch.device("cpu")
+    device = torch.device(args.device)
     env.set_threads(device, args.threads)
     result = env.header("profile_breakdown", argv, device)
     result["settings"] = vars(args)
     with tempfile.TemporaryDirectory() as saved:
-        result["runs"] = [run(kind, args.fraction, saved) for kind in args.runs]
+        result["runs"] = [run(kind, args.fraction, saved, device) for kind in args.runs]
     write_json(args.out, result)
     print(f"wrote {args.out}")
 

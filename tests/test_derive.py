@@ -13,7 +13,13 @@ import torch
 
 from adacc_hf import apply_adacc, assets, measure_step_peak, profile_model
 from adacc_hf.integrations.shapes import padded, shape_key, tiny_batch, tiny_key
-from adacc_hf.profiler.derive import GROUP_BYTES, PROFILE_BYTES, interpolate_memory, ratio
+from adacc_hf.profiler.derive import (
+    GROUP_BYTES,
+    PROFILE_BYTES,
+    interpolate_memory,
+    length_share,
+    ratio,
+)
 from adacc_hf.solver import budget_between, estimate_static_memory, solve
 
 
@@ -57,12 +63,15 @@ def fields_under(derived, measured) -> list[str]:
     return under
 
 
+@pytest.mark.parametrize("rows", [4, 3])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
-def test_interpolated_memory_never_under_counts_and_predicts_the_real_step(family):
+def test_interpolated_memory_never_under_counts_and_predicts_the_real_step(family, rows):
+    """A shorter bucket of the run's micro-batch (dynamic padding), and one of fewer rows too (a
+    last, smaller batch: what one row holds broadcast over the batch is then counted whole)."""
     model = assets.tiny_model(family, seed=0)
     enc_dec = bool(model.config.is_encoder_decoder)
     big = masked(assets.tiny_batch(family, model, batch_size=4, seq_len=64))
-    small = masked(assets.tiny_batch(family, model, batch_size=3, seq_len=40))
+    small = masked(assets.tiny_batch(family, model, batch_size=rows, seq_len=40))
     outer_key, key = shape_key(big, enc_dec), shape_key(small, enc_dec)
     pad = model.config.pad_token_id
     outer = profile_model(model, big, repeats=1)
@@ -70,9 +79,11 @@ def test_interpolated_memory_never_under_counts_and_predicts_the_real_step(famil
     edge = padded(small, key, pad)  # the bucket is planned at its edge
     measured = profile_model(model, edge, repeats=1, reference=outer)
     derived = profile_model(model, edge, repeats=1, reference=outer, memory=False)
-    r = ratio(tiny_key(key)[:-1], outer_key[:-1], key[:-1])
+    shapes = (tiny_key(key)[:-1], outer_key[:-1], key[:-1])
     tokens = [k[0] * sum(k[1:-1]) for k in (key, outer_key)]
-    interpolate_memory(derived, tiny, outer, r, tokens[0] / tokens[1])
+    interpolate_memory(
+        derived, tiny, outer, ratio(*shapes), tokens[0] / tokens[1], length_share(*shapes)
+    )
     assert fields_under(derived, measured) == []
 
     static = estimate_static_memory(model, optimizer="sgd")
@@ -87,9 +98,11 @@ def test_interpolated_memory_never_under_counts_and_predicts_the_real_step(famil
     print(family, seen)
     # Never below the real step; above it by what the chord over-counts where the step's peak
     # moment at the tiny bucket is another than at the outer one: on these 1-2 MB models the
-    # parameter gradients are a large share (measured: llama and gpt2 9-12 % over, t5 18-24 % where
-    # its decoder moved more than its encoder; on SmolLM2: `benchmarks/profile_breakdown.py`).
-    assert all(peak <= pred <= 1.3 * peak for _, peak, pred, _ in seen), seen
+    # parameter gradients are a large share (measured: llama and gpt2 10-12 % over, t5 22-26 %
+    # where its decoder moved more than its encoder; with a row fewer, where one-row tensors count
+    # whole, 27-49 %; on SmolLM2: `benchmarks/profile_breakdown.py`).
+    bound = 1.3 if rows == 4 else 1.6
+    assert all(peak <= pred <= bound * peak for _, peak, pred, _ in seen), seen
 
 
 def test_later_buckets_are_interpolated_and_a_step_that_disproves_one_measures_it():

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..profiler import BlockProbe, capture_probes, profile_model
-from ..profiler.derive import contains, interpolate_memory, ratio
+from ..profiler.derive import contains, interpolate_memory, length_share, ratio
 from ..profiler.fingerprint import differences, run_fingerprint
 from ..profiler.memory import sharded
 from ..profiler.room import profiling_room
@@ -142,9 +142,11 @@ class SessionProfiling:
                 tiny.fingerprint["bucket"] = key_text(small)
                 self.profiles[small] = tiny
             profile = self._run_profile(sample, near, probes, room, memory=False)
-            r = ratio(small[:-1], outer[:-1], key[:-1])
+            shapes = (small[:-1], outer[:-1], key[:-1])
             scale = key_tokens(key) / key_tokens(outer)
-            interpolate_memory(profile, tiny, self.profiles[outer], r, scale)
+            interpolate_memory(
+                profile, tiny, self.profiles[outer], ratio(*shapes), scale, length_share(*shapes)
+            )
             profile.memory_from = [key_text(small), key_text(outer)]
         profile.fingerprint["bucket"] = key_text(key)
         return profile

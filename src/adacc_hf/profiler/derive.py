@@ -31,6 +31,7 @@ __all__ = [
     "contains",
     "group_ratio",
     "interpolate_memory",
+    "length_share",
     "ratio",
 ]
 
@@ -62,15 +63,29 @@ def contains(outer: Sequence[int], inner: Sequence[int]) -> bool:
     return len(outer) == len(inner) and all(o >= i for o, i in zip(outer, inner, strict=True))
 
 
+def _share(lo: int, hi: int, at: int) -> float:
+    return 1.0 if hi <= lo else (at - lo) / (hi - lo)
+
+
 def ratio(tiny: Sequence[int], near: Sequence[int], new: Sequence[int]) -> float:
-    """How far `new` lies from `tiny` towards `near` (shapes: rows, then each sequence length),
-    in tokens: the largest over the sequences of (rows x length) moved, so a term of any one
-    sequence is covered (an encoder-decoder batch whose decoder shrank more than its encoder)."""
+    """How far `new` lies from `tiny` towards `near` (shapes: rows, then each sequence length):
+    the largest over the sequences of the share moved in rows x length (a term of any one
+    sequence is covered: an encoder-decoder batch whose decoder shrank more than its encoder) and
+    in length alone (tensors of one row broadcast over the batch: rotary tables, T5's position
+    bias; the larger share where a bucket has fewer rows than the near one)."""
     out = 0.0
     for k in range(1, len(new)):
-        lo, hi, at = tiny[0] * tiny[k], near[0] * near[k], new[0] * new[k]
-        out = max(out, 1.0 if hi <= lo else (at - lo) / (hi - lo))
+        out = max(
+            out,
+            _share(tiny[0] * tiny[k], near[0] * near[k], new[0] * new[k]),
+            _share(tiny[k], near[k], new[k]),
+        )
     return min(1.0, max(0.0, out))
+
+
+def length_share(tiny: Sequence[int], near: Sequence[int], new: Sequence[int]) -> float:
+    """The largest share moved in length alone (`ratio`'s second term)."""
+    return max((_share(tiny[k], near[k], new[k]) for k in range(1, len(new))), default=0.0)
 
 
 #: Added to every interpolated byte count: terms per row rather than per token (a row's loss and
@@ -122,11 +137,14 @@ def _head(name: str, lo: HeadCost | None, hi: HeadCost, r: float, time_scale: fl
     )
 
 
-def group_ratio(lo: GroupProfile, hi: GroupProfile, new: GroupProfile, r: float) -> float:
+def group_ratio(
+    lo: GroupProfile, hi: GroupProfile, new: GroupProfile, r: float, floor: float
+) -> float:
     """`ratio` for one block group: the largest of its ops' own (each op's output bytes from `lo`
-    to `hi`), so an encoder block follows the encoder's length; `r` where the ops differ."""
+    to `hi`), so an encoder block follows the encoder's length, and at least `floor` (what a block
+    holds of one row broadcast over the batch: `length_share`); `r` where the ops differ."""
     lo_ops, hi_ops = {o.key: o for o in lo.ops}, {o.key: o for o in hi.ops}
-    out = 0.0
+    out = floor
     for o in new.ops:
         a, b = lo_ops.get(o.key), hi_ops.get(o.key)
         if a is None or b is None:
@@ -137,17 +155,22 @@ def group_ratio(lo: GroupProfile, hi: GroupProfile, new: GroupProfile, r: float)
 
 
 def interpolate_memory(
-    into: Profile, tiny: Profile, near: Profile, r: float, time_scale: float
+    into: Profile,
+    tiny: Profile,
+    near: Profile,
+    r: float,
+    time_scale: float,
+    length: float = 1.0,
 ) -> None:
     """Fill `into`'s memory fields (groups, outside the blocks, timeline, heads) by the chord from
-    `tiny` to `near` at `r` (`ratio`; a block group's own fields at `group_ratio`); head times
-    are `near`'s scaled by `time_scale`."""
+    `tiny` to `near` at `r` (`ratio`; a block group's own fields at `group_ratio`, at least
+    `length`: `length_share`); head times are `near`'s scaled by `time_scale`."""
     for name, g in into.groups.items():
         lo, hi = tiny.groups.get(name), near.groups.get(name)
         if hi is None:
             continue
         lo = lo or hi
-        rg = group_ratio(lo, hi, g, r)
+        rg = group_ratio(lo, hi, g, r, length)
         for f in GROUP_BYTES:
             setattr(g, f, _lerp(getattr(lo, f), getattr(hi, f), rg))
         _same_blocks(g, hi)
