@@ -1,6 +1,6 @@
 """Profiling a bucket for `AdaccSession`: the room it may use, the profile measured (op costs
 scaled from the nearest profiled bucket; memory measured, or interpolated from a measured bucket
-that contains it and the tiny bucket: `profiler.derive`), or reused from what an earlier run saved
+that contains it and one it contains, at least the tiny bucket: `profiler.derive`), or reused from what an earlier run saved
 where its fingerprint is this run's (`profiler.fingerprint`)."""
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ class SessionProfiling:
     ) -> Profile:
         """Profile `batch` padded to `key`'s edge, within `room` bytes less the padded copy. Op
         costs scale from the nearest profiled bucket when there is one; memory is measured, or
-        interpolated (`profiler.derive`) between the tiny bucket and a measured one that contains
-        this one, the tiny bucket measured the first time."""
+        interpolated (`profiler.derive`) between the largest measured bucket it contains (the
+        tiny one, measured the first time, where no other) and the smallest that contains it."""
         sample = self._padded(batch, key)
         alike = [(k, p) for k, p in self.profiles.items() if k[-1] == key[-1]]  # same masking
         near = min(
@@ -132,22 +132,20 @@ class SessionProfiling:
         if outer is None:
             profile = self._run_profile(sample, near, probes, room)
         else:
-            small = tiny_key(key)
-            tiny = self.profiles.get(small)
-            if tiny is None:
-                pad = self._pad_id()
+            low = self._inner(key)
+            if low is None:  # the tiny bucket, measured the first time
+                low, pad = tiny_key(key), self._pad_id()
                 tiny = self._run_profile(
                     tiny_batch(batch, key, pad), self.profiles[outer], None, room
                 )
-                tiny.fingerprint["bucket"] = key_text(small)
-                self.profiles[small] = tiny
+                tiny.fingerprint["bucket"] = key_text(low)
+                self.profiles[low] = tiny
             profile = self._run_profile(sample, near, probes, room, memory=False)
-            shapes = (small[:-1], outer[:-1], key[:-1])
+            shapes = (low[:-1], outer[:-1], key[:-1])
             scale = key_tokens(key) / key_tokens(outer)
-            interpolate_memory(
-                profile, tiny, self.profiles[outer], ratio(*shapes), scale, length_share(*shapes)
-            )
-            profile.memory_from = [key_text(small), key_text(outer)]
+            lo, hi = self.profiles[low], self.profiles[outer]
+            interpolate_memory(profile, lo, hi, ratio(*shapes), scale, length_share(*shapes))
+            profile.memory_from = [key_text(low), key_text(outer)]
         profile.fingerprint["bucket"] = key_text(key)
         return profile
 
@@ -165,15 +163,22 @@ class SessionProfiling:
             " and ".join(plan.profile.memory_from),
         )
 
+    def _measured(self, key: ShapeKey) -> list[ShapeKey]:
+        """Buckets of `key`'s masking whose memory was measured (not interpolated)."""
+        return [k for k, p in self.profiles.items() if k[-1] == key[-1] and not p.memory_from]
+
+    def _inner(self, key: ShapeKey) -> ShapeKey | None:
+        """The largest bucket with measured memory that `key` contains (the tiny one at least,
+        once measured): the low end of the chord."""
+        found = [k for k in self._measured(key) if k != key and contains(key[:-1], k[:-1])]
+        return max(found, key=key_tokens, default=None)
+
     def _outer(self, key: ShapeKey) -> ShapeKey | None:
         """The smallest bucket with measured memory that contains `key` (same masking, every
         dimension at least as large), if any."""
         found = [
-            k
-            for k, p in self.profiles.items()
-            if k[-1] == key[-1] and not p.memory_from and k != tiny_key(key)
-            and contains(k[:-1], key[:-1])
-        ]  # fmt: skip
+            k for k in self._measured(key) if k != tiny_key(key) and contains(k[:-1], key[:-1])
+        ]
         return min(found, key=key_tokens, default=None)
 
     def _run_profile(

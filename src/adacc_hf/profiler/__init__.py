@@ -242,18 +242,19 @@ def _memory(
 ) -> tuple[dict, StepMemory]:
     """Each way of running the LM head and loss (a sharded head gathers across ranks; first: the
     timeline runs the chunked head where the model's own does not fit), then the step's memory
-    (`memory.measure`); with ``memory=False`` neither (zeros, for `derive`)."""
+    (`memory.measure`); with ``memory=False`` the heads alone, and only where the run may choose
+    another head than the model's own (the chunked head's peaks follow its chunk size, which no
+    interpolation between buckets follows: `derive`), the memory left zero."""
+    heads: dict = {}
+    if memory or head != "full":
+        with phase("head"):
+            rest = timeline_rest_nbytes(base, groups, batch)
+            if not sharded(base):
+                heads = measure_heads(base, batch, autocast, room=room, head=head, rest_nbytes=rest)
     if not memory:
         zero = {g.name: 0 for g in groups}
         mem = StepMemory(zero, zero, 0, 0, 0, zero, block_transient=zero, plain_transient=zero)
-        return {}, mem
-    with phase("head"):
-        rest = timeline_rest_nbytes(base, groups, batch)
-        heads = (
-            {}
-            if sharded(base)
-            else measure_heads(base, batch, autocast, room=room, head=head, rest_nbytes=rest)
-        )
+        return heads, mem
     with phase("memory"):
         mem = measure(base, batch, groups, specs, autocast, room, heads)
     return heads, mem

@@ -5,16 +5,18 @@ shape (parameter gradients, autocast's weight casts, checkpoint frames) or an ac
 size grows with the batch: tokens x width (hidden states, projections, logits), or faster
 (attention's scores and masks: rows x length^2). Every level and peak the memory pass measures is
 the highest of such sums over the step's moments. Two measured profiles of the same model at
-nested shapes -- a *tiny* bucket (one row of 8 tokens: the constants, and almost nothing else)
-and a *near* one that contains the new bucket in every dimension -- give each field at the new
-bucket by the chord between them, at the new bucket's share of the way in tokens (`ratio`).
+nested shapes -- a *low* bucket the new one contains (the largest measured; at least the *tiny*
+bucket, one row of 8 tokens: the constants and almost nothing else) and a *near* one that contains
+the new bucket in every dimension -- give each field at the new bucket by the chord between them,
+at the new bucket's share of the way in tokens (`ratio`).
 
 That chord never under-counts: each moment's level is a constant plus terms that grow at least as
 fast as tokens between the two shapes, so the chord lies on or above it, and the chord of the
 highest of several moments lies on or above the highest of their chords. It is exact where
 activations scale with tokens (SDPA, the model's LM head), and over-counts attention's quadratic
-parts by their share of the difference. The session checks the bucket's first real step against
-the prediction and profiles the bucket in full where the two differ (`integrations.profiling`).
+parts by their share of the difference. On CUDA the session checks the bucket's first real step
+against the prediction and profiles the bucket in full where the step allocated more
+(`integrations.guard.DerivedCheck`).
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ def _share(lo: int, hi: int, at: int) -> float:
     return 1.0 if hi <= lo else (at - lo) / (hi - lo)
 
 
-def ratio(tiny: Sequence[int], near: Sequence[int], new: Sequence[int]) -> float:
-    """How far `new` lies from `tiny` towards `near` (shapes: rows, then each sequence length):
+def ratio(low: Sequence[int], near: Sequence[int], new: Sequence[int]) -> float:
+    """How far `new` lies from `low` towards `near` (shapes: rows, then each sequence length):
     the largest over the sequences of the share moved in rows x length (a term of any one
     sequence is covered: an encoder-decoder batch whose decoder shrank more than its encoder) and
     in length alone (tensors of one row broadcast over the batch: rotary tables, T5's position
@@ -77,15 +79,15 @@ def ratio(tiny: Sequence[int], near: Sequence[int], new: Sequence[int]) -> float
     for k in range(1, len(new)):
         out = max(
             out,
-            _share(tiny[0] * tiny[k], near[0] * near[k], new[0] * new[k]),
-            _share(tiny[k], near[k], new[k]),
+            _share(low[0] * low[k], near[0] * near[k], new[0] * new[k]),
+            _share(low[k], near[k], new[k]),
         )
     return min(1.0, max(0.0, out))
 
 
-def length_share(tiny: Sequence[int], near: Sequence[int], new: Sequence[int]) -> float:
+def length_share(low: Sequence[int], near: Sequence[int], new: Sequence[int]) -> float:
     """The largest share moved in length alone (`ratio`'s second term)."""
-    return max((_share(tiny[k], near[k], new[k]) for k in range(1, len(new))), default=0.0)
+    return max((_share(low[k], near[k], new[k]) for k in range(1, len(new))), default=0.0)
 
 
 #: Added to every interpolated byte count: terms per row rather than per token (a row's loss and
@@ -156,17 +158,18 @@ def group_ratio(
 
 def interpolate_memory(
     into: Profile,
-    tiny: Profile,
+    low: Profile,
     near: Profile,
     r: float,
     time_scale: float,
     length: float = 1.0,
 ) -> None:
-    """Fill `into`'s memory fields (groups, outside the blocks, timeline, heads) by the chord from
-    `tiny` to `near` at `r` (`ratio`; a block group's own fields at `group_ratio`, at least
-    `length`: `length_share`); head times are `near`'s scaled by `time_scale`."""
+    """Fill `into`'s memory fields (groups, outside the blocks, timeline, heads it did not measure)
+    by the chord from `low` to `near` at `r` (`ratio`; a block group's own fields at
+    `group_ratio`, at least `length`: `length_share`); head times are `near`'s scaled by
+    `time_scale`."""
     for name, g in into.groups.items():
-        lo, hi = tiny.groups.get(name), near.groups.get(name)
+        lo, hi = low.groups.get(name), near.groups.get(name)
         if hi is None:
             continue
         lo = lo or hi
@@ -175,9 +178,13 @@ def interpolate_memory(
             setattr(g, f, _lerp(getattr(lo, f), getattr(hi, f), rg))
         _same_blocks(g, hi)
     for f in PROFILE_BYTES:
-        setattr(into, f, _lerp(getattr(tiny, f), getattr(near, f), r))
-    into.timeline = _timeline(tiny.timeline, near.timeline, r)
-    into.heads = {k: _head(k, tiny.heads.get(k), h, r, time_scale) for k, h in near.heads.items()}
+        setattr(into, f, _lerp(getattr(low, f), getattr(near, f), r))
+    into.timeline = _timeline(low.timeline, near.timeline, r)
+    measured = into.heads  # the heads measured at this bucket, if any
+    into.heads = {
+        k: measured[k] if k in measured else _head(k, low.heads.get(k), h, r, time_scale)
+        for k, h in near.heads.items()
+    }
 
 
 def _same_blocks(g: GroupProfile, near: GroupProfile) -> None:
