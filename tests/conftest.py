@@ -151,3 +151,12 @@ def pytest_sessionfinish(session, exitstatus):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1, sort_keys=True)
         f.write("\n")
+
+
+@pytest.fixture
+def one_thread():
+    """Many small forwards: one thread (with two, a busy 2-core machine makes each ~8x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,13 +22,7 @@ from adacc_hf.profiler.derive import (
 )
 from adacc_hf.solver import budget_between, estimate_static_memory, solve
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def masked(batch: dict) -> dict:

@@ -33,13 +33,7 @@ def builds(monkeypatch) -> list:
     return count
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Many small forwards: one thread (with two, a busy 2-core machine makes each ~8x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(model, length: int, rows: int = 1) -> dict:

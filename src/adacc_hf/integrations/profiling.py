@@ -1,7 +1,7 @@
 """Profiling a bucket for `AdaccSession`: the room it may use, the profile measured (op costs
 scaled from the nearest profiled bucket; memory measured, or interpolated from a measured bucket
-that contains it and one it contains, at least the tiny bucket: `profiler.derive`), or reused from what an earlier run saved
-where its fingerprint is this run's (`profiler.fingerprint`)."""
+that contains it and one it contains, at least the tiny bucket: `profiler.derive`), or reused from
+what an earlier run saved where its fingerprint is this run's (`profiler.fingerprint`)."""
 
 from __future__ import annotations
 
