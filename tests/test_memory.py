@@ -193,7 +193,7 @@ def test_measure_activation_memory_counts_saved_tensors_once():
     # A bare module has no adapter: the report only needs blocks for attribution.
     from adacc_hf.runtime import memory
 
-    rec = memory._StorageRecorder()
+    rec = memory.StorageRecorder()
     with rec:
         out = m(x)
     loss = out["loss"]

@@ -152,7 +152,7 @@ def _profile_model(
             groups = adapter.block_groups(base)
             specs = {g.name: [o.spec() for o in measured[g.name].ops] for g in groups}
             batch = dict(sample_batch)
-            heads, mem = _memory(base, batch, groups, specs, autocast, room, head, memory)
+            heads, mem = _memory(base, batch, groups, specs, autocast, room, head, memory, probes)
             bar.update(2)
             if mem.skipped:
                 logger.info(
@@ -239,6 +239,7 @@ def _memory(
     room: int | None,
     head: str,
     memory: bool,
+    probes: dict,
 ) -> tuple[dict, StepMemory]:
     """Each way of running the LM head and loss (a sharded head gathers across ranks; first: the
     timeline runs the chunked head where the model's own does not fit), then the step's memory
@@ -256,7 +257,7 @@ def _memory(
         mem = StepMemory(zero, zero, 0, 0, 0, zero, block_transient=zero, plain_transient=zero)
         return heads, mem
     with phase("memory"):
-        mem = measure(base, batch, groups, specs, autocast, room, heads)
+        mem = measure(base, batch, groups, specs, autocast, room, heads, probes)
     return heads, mem
 
 

@@ -1,6 +1,6 @@
 """Memory of one training step, measured on the real model, device and batch.
 
-Two kinds of run, each a forward and a backward of the whole model under the allocation tracker
+Runs of a forward and a backward under the allocation tracker
 (`runtime.peak.AllocationTracker`), with marks at the moment each block's backward starts (the
 gradient of its output arrives) and ends (the gradient of its input is computed):
 
@@ -8,13 +8,20 @@ gradient of its output arrives) and ends (the gradient of its input is computed)
   block holds (its input, and tensors like T5's position bias that later blocks read), what is held
   outside the blocks before and after them, the forward's own temporaries, and the backward
   transients: the loss and head, each block's recompute + backward, the embeddings at the end;
-* per block group, its first block without checkpointing (every other block checkpointed): what a
-  plain block holds and the transients of its forward and backward. Measuring a plain block next
-  to checkpointed ones is the conservative case: a plain neighbour would save some of the same
-  tensors;
-* per block group with two blocks or more, its first two blocks without checkpointing (forward
-  only): what a plain block holds when the next one is plain too (under autocast the next block
-  may save a cast of its input rather than the input).
+* per block group, its first block without checkpointing: what a plain block holds and the
+  transients of its forward and backward, next to checkpointed blocks (the conservative case: a
+  plain neighbour would save some of the same tensors); and, with two blocks or more, what it holds
+  when the next block is plain too (under autocast the next block may save a cast of its input
+  rather than the input).
+
+The plain block is measured on its own (`plain_alone`): the group's profiled block, on the inputs it
+got, runs alone checkpointed, plain, and plain followed by itself plain, and the differences move
+what the full-recomputation run measured for that block in the model. The model around the block
+is the same under both and cancels out: on the 35 tiny families, fp32 and bf16, this equals a
+whole-model run with the block plain to the byte, but for a cross-attention block whose encoder
+gradient the block alone does not compute and GPT-NeoX (1-8 KiB over, the safe side). A
+whole-model run per plain block would cost a training step each. A group without a probe (a sharded
+model) runs whole-model forwards: every other block checkpointed, then its first two blocks plain.
 
 Inside a budget (``room``: the bytes profiling may add above what is alive when it starts), each
 run's peak is predicted before it runs: the full-recomputation run from the trainable gradients,
@@ -38,6 +45,7 @@ are then estimated from the held bytes (see `estimate`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -59,6 +67,7 @@ from .estimates import (
     timeline_head,
     to_own_head,
 )
+from .variants import FULL_RECOMPUTE, AloneMemory, BlockProbe, alone_memory
 
 
 def sharded(model: nn.Module) -> bool:
@@ -217,6 +226,37 @@ class _Run:
         return max(0, t.peak(f"start:{path}", end) - t.level(f"start:{path}"))
 
 
+def plain_alone(
+    probe: BlockProbe, autocast: torch.dtype | None, pair: bool
+) -> tuple[AloneMemory, AloneMemory, AloneMemory | None]:
+    """The probed block alone (`variants.alone_memory`) checkpointed, plain, and (`pair`) plain
+    next to a plain block: a whole-model run per plain measurement costs a step, this a block."""
+    ckpt = alone_memory(probe, FULL_RECOMPUTE, autocast)
+    plain = alone_memory(probe, None, autocast)
+    return ckpt, plain, alone_memory(probe, None, autocast, then_plain=True) if pair else None
+
+
+def from_alone(
+    mem: StepMemory,
+    group: str,
+    run: _Run,
+    path: str,
+    ckpt: AloneMemory,
+    plain: AloneMemory,
+    pair: AloneMemory | None,
+) -> None:
+    """A group's plain-block fields: what the full-recomputation `run` measured for its first
+    block (`path`) in the model, moved by the difference plain - checkpointed measured alone
+    (the model around the block, the same under both, cancels out)."""
+    held = run.report.blocks[path]
+    mem.full[group] = held + plain.held - ckpt.held
+    mem.plain_casts[group] = plain.casts
+    mem.plain_fwd_transient[group] = run.forward_transient(path) + plain.forward - ckpt.forward
+    mem.plain_transient[group] = run.transient(path) + plain.backward - ckpt.backward
+    if pair is not None:
+        mem.full_interior[group] = held + pair.held - ckpt.held
+
+
 def measure(
     base: nn.Module,
     batch: dict[str, Any],
@@ -225,10 +265,12 @@ def measure(
     autocast: torch.dtype | None = None,
     room: int | None = None,
     heads: dict[str, HeadCost] | None = None,
+    probes: Mapping[str, BlockProbe] | None = None,
 ) -> StepMemory:
     """Run the measurements of the module docstring (every group's ops in `specs`), forwards
     under `autocast` (a dtype, or None), each inside `room` bytes (None: no limit) with the heads'
-    costs `heads` (`head.measure_heads`)."""
+    costs `heads` (`head.measure_heads`); a group with a probe (`variants.BlockProbe`: its first
+    block and the inputs it got) has its plain block measured alone (`plain_alone`)."""
     backward = not sharded(base)
     kwargs = model_kwargs(base, batch)
     device = next(base.parameters()).device
@@ -246,17 +288,21 @@ def measure(
         with apply_adacc(base, policy(None)):
             run = _Run(base, kwargs, amp(), backward)
         top = run.tracker.peak()
-        plain_runs, pair_runs = {}, {}
+        plain_runs, pair_runs, alone = {}, {}, {}
         for g in groups:
             if room is not None and top + plain_nbytes(specs[g.name], 1) > room:
                 skipped.append(f"plain {g.name}")
                 continue
+            pair = len(g.modules) > 1
+            if pair and room is not None and top + plain_nbytes(specs[g.name], 2) > room:
+                skipped.append(f"pair {g.name}")
+                pair = False
+            if backward and g.name in (probes or {}):
+                alone[g.name] = plain_alone(probes[g.name], autocast, pair)
+                continue
             with apply_adacc(base, policy(g.name)):
                 plain_runs[g.name] = _Run(base, kwargs, amp(), backward)
-            if len(g.modules) > 1:
-                if room is not None and top + plain_nbytes(specs[g.name], 2) > room:
-                    skipped.append(f"pair {g.name}")
-                    continue
+            if pair:
                 with apply_adacc(base, policy(g.name, "pair")):
                     pair_runs[g.name] = _Run(base, kwargs, amp(), False)
     rep = run.report
@@ -282,7 +328,9 @@ def measure(
     mem.forward_transient = max(0, t.peak(start, "forward_end") - t.level("forward_end"))
     for g in groups:
         mem.block_fwd_transient[g.name] = max(run.forward_transient(p) for p in g.paths)
-        if g.name in plain_runs:
+        if g.name in alone:
+            from_alone(mem, g.name, run, g.paths[0], *alone[g.name])
+        elif g.name in plain_runs:
             r = plain_runs[g.name]
             mem.plain_fwd_transient[g.name] = r.forward_transient(g.paths[0])
             if backward:

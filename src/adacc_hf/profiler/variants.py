@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.memory import StorageRecorder
 from ..runtime.peak import AllocationTracker
 from ..runtime.trace import autocast_context, detached_input
 from ..schema import OpSpec, Profile, Variant, variant_key
@@ -53,34 +54,69 @@ def _hidden(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def transients(
-    probe: BlockProbe, variant: Variant, autocast: torch.dtype | None = None
-) -> tuple[int, int]:
-    """(forward peak above its start, backward peak above its start) of the block under
-    `variant`, gradients of its parameters and input included."""
+@dataclass
+class AloneMemory:
+    """A block run alone on its recorded input (`alone_memory`), in bytes."""
+
+    held: int  # created by its forward and alive after it, its output included
+    casts: int  # of `held`, autocast's casts of parameters
+    forward: int  # the forward's peak above its start
+    backward: int  # the backward's peak above its start (its output's gradient arrived)
+
+
+def alone_memory(
+    probe: BlockProbe,
+    variant: Variant | None,
+    autocast: torch.dtype | None = None,
+    then_plain: bool = False,
+) -> AloneMemory:
+    """The block under `variant` (None: plain) as in a model: its output kept (the next block
+    reads it), its output's gradient made inside autograd (freed once used, as a next block's
+    backward hands it over), gradients of its parameters and input. `then_plain`: the block runs
+    again, plain and forward only, on its own output, for what it holds when the next block is
+    plain too (``backward`` is then 0)."""
     x, x_in = detached_input(probe.args[0])
     params = [p for p in probe.block.parameters() if p.requires_grad]
     device = x.device
-    tracker = AllocationTracker(device)
-    table = {"variant": variant if variant.checkpoint else None}
+    tracker, rec = AllocationTracker(device), StorageRecorder()
+    rec.where = "block"
+    table = {"variant": variant if variant is not None and variant.checkpoint else None}
     with table_runtimes(probe.block, probe.path, probe.group, probe.ops, table) as runtimes:
         runtime = runtimes["variant"]
         with tracker:
             tracker.mark("start")
-            with autocast_context(device, autocast):
+            with rec, autocast_context(device, autocast):
                 args = (x_in, *probe.args[1:])
-                out = runtime(probe.fn, *args) if runtime is not None else probe.fn(*args)
-            tracker.mark("forward_end")
-            y = _hidden(out)
-            grad = torch.ones_like(y)
-            tracker.mark("backward_start")
-            inputs = [t for t in (x, *params) if t.requires_grad]
-            grads = torch.autograd.grad(y, inputs, grad_outputs=grad, allow_unused=True)
-            tracker.mark("backward_end")
-            del grads, grad, y, out
+                y = _hidden(runtime(probe.fn, *args) if runtime is not None else probe.fn(*args))
+                tracker.mark("forward_end")
+                if then_plain:
+                    rec.where = "next"
+                    y = _hidden(probe.fn(y, *probe.args[1:]))
+            held = [(n, cast) for n, where, _, cast in rec.alive() if where == "block"]
+            if not then_plain:
+                y.register_hook(lambda g: tracker.mark("backward_start"))
+                loss = (y * torch.ones_like(y)).sum()
+                inputs = [t for t in (x, *params) if t.requires_grad]
+                grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+                tracker.mark("backward_end")
+                del grads, loss
+            del y
     fwd = tracker.peak("start", "forward_end") - tracker.level("start")
-    bwd = tracker.peak("backward_start", "backward_end") - tracker.level("backward_start")
-    return max(0, fwd), max(0, bwd)
+    bwd = 0
+    if not then_plain:
+        bwd = tracker.peak("backward_start", "backward_end") - tracker.level("backward_start")
+    return AloneMemory(
+        sum(n for n, _ in held), sum(n for n, c in held if c), max(0, fwd), max(0, bwd)
+    )
+
+
+def transients(
+    probe: BlockProbe, variant: Variant, autocast: torch.dtype | None = None
+) -> tuple[int, int]:
+    """(forward peak above its start, backward peak above its start) of the block under
+    `variant` (`alone_memory`)."""
+    m = alone_memory(probe, variant, autocast)
+    return m.forward, m.backward
 
 
 def variant_times(

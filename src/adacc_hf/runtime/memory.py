@@ -47,7 +47,10 @@ class ActivationMemory:
         return sum(self.blocks.values()) / max(1, len(self.blocks))
 
 
-class _StorageRecorder(TorchDispatchMode):
+class StorageRecorder(TorchDispatchMode):
+    """Records every storage an aten op creates (not views, not in-place), with ``where`` (set by
+    the caller: the block running) at that moment."""
+
     def __init__(self) -> None:
         super().__init__()
         self.where: str = ""
@@ -73,6 +76,17 @@ class _StorageRecorder(TorchDispatchMode):
                 )
         return out
 
+    def alive(self) -> Iterator[tuple[int, str, bool, bool]]:
+        """``(nbytes, where, after blocks started, is a parameter cast)`` of each recorded storage
+        still alive, each once."""
+        gc.collect()
+        seen: set[int] = set()
+        for ref, ptr, nbytes, where, after, cast in self.records:
+            if ref.expired() or ptr in seen:
+                continue
+            seen.add(ptr)
+            yield nbytes, where, after, cast
+
 
 @contextlib.contextmanager
 def recorded_forward(
@@ -87,7 +101,7 @@ def recorded_forward(
     entered around the forward only."""
     base = unwrap_model(model)
     blocks = get_adapter(base).find_blocks(base)
-    rec = _StorageRecorder()
+    rec = StorageRecorder()
     handles = []
     for path, block in blocks:
 
@@ -113,16 +127,11 @@ def recorded_forward(
         raise
 
     def report() -> ActivationMemory:
-        gc.collect()
-        seen: set[int] = set()
         paths = [p for p, _ in blocks]
         result = ActivationMemory(
             total=0, blocks=dict.fromkeys(paths, 0), casts=dict.fromkeys(paths, 0)
         )
-        for ref, ptr, nbytes, where, after, cast in rec.records:
-            if ref.expired() or ptr in seen:
-                continue
-            seen.add(ptr)
+        for nbytes, where, after, cast in rec.alive():
             result.total += nbytes
             if where:
                 result.blocks[where] += nbytes
