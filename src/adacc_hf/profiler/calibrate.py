@@ -43,8 +43,14 @@ from ..schema import Action, GroupPolicy, OpProfile, OpSpec, Variant
 SCALE_RANGE = (1 / 8, 8.0)
 RESOLVED_RANGE = (1 / 8, 64.0)
 #: Timed rounds at least: each added time is a difference of two noisy ones (a shared 2-core CPU
-#: varies by +-20 % from step to step), so a median of 3 could be off by half.
+#: varies by +-20 % from step to step), so a median of 3 could be off by half...
 MIN_ROUNDS = 5
+#: ... unless the first `SETTLED_ROUNDS` agree (`settled`): then their median is as good.
+SETTLED_ROUNDS = 3
+#: Round differences agree when their spread is within this share of their median, or of the
+#: slower table's time (a difference near zero matters only against the block's time).
+SETTLED_SPREAD = 0.2
+SETTLED_FLOOR = 0.02
 
 
 @dataclass
@@ -155,6 +161,14 @@ def _step_ms(
     return (clock() - t0) * 1e3
 
 
+def settled(times: dict[str, list[float]], a: str, b: str) -> bool:
+    """Whether the rounds' differences ``a - b`` agree (`SETTLED_SPREAD`, `SETTLED_FLOOR`)."""
+    diffs = [x - y for x, y in zip(times[a], times[b], strict=True)]
+    slower = max(statistics.median(times[a]), statistics.median(times[b]))
+    tolerance = max(SETTLED_SPREAD * abs(statistics.median(diffs)), SETTLED_FLOOR * slower)
+    return max(diffs) - min(diffs) <= tolerance
+
+
 def interleaved_ms(
     block: nn.Module,
     fn: Any,
@@ -163,10 +177,12 @@ def interleaved_ms(
     device: Any,
     rounds: int,
     autocast: torch.dtype | None = None,
+    differences: list[tuple[str, str]] | None = None,
 ) -> dict[str, list[float]]:
     """Forward + backward ms of the block under each runtime (None: plain): one warm-up round
     (slot tables are built there), then `rounds` rounds, the order rotating from round to round,
-    the generator state restored afterwards."""
+    the generator state restored afterwards. Given the `differences` the caller reads (pairs of
+    names), it stops after `SETTLED_ROUNDS` rounds where each of them has `settled`."""
     times: dict[str, list[float]] = {n: [] for n in runtimes}
     cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     names = list(runtimes)
@@ -177,6 +193,9 @@ def interleaved_ms(
                 ms = _step_ms(block, fn, args, runtimes[n], device, autocast)
                 if r:
                     times[n].append(ms)
+            done = differences and SETTLED_ROUNDS <= r < rounds
+            if done and all(settled(times, a, b) for a, b in differences):
+                break
     return times
 
 
@@ -197,13 +216,15 @@ def calibrate(
     device: Any,
     repeats: int = 5,
 ) -> Calibration:
-    """Time the block under the four tables (`interleaved_ms`, at least `MIN_ROUNDS` rounds;
-    medians of each round's differences) and derive the scales and the
+    """Time the block under the four tables (`interleaved_ms`, `MIN_ROUNDS` rounds, or
+    `SETTLED_ROUNDS` where those agree; medians of each round's differences) and derive the scales and the
     dispatch overhead (module docstring)."""
     specs = [o.spec() for o in ops]
     variants = tables(ops)
     with table_runtimes(block, path, group, specs, variants) as runtimes:
-        times = interleaved_ms(block, fn, args, runtimes, device, max(MIN_ROUNDS, repeats))
+        differences = [("recompute", "plain"), ("keep", "plain"), ("compress", "keep")]
+        rounds = max(MIN_ROUNDS, repeats)
+        times = interleaved_ms(block, fn, args, runtimes, device, rounds, None, differences)
     cal = Calibration(
         plain_ms=statistics.median(times["plain"]),
         recompute_ms=added_ms(times, "recompute", "plain"),
