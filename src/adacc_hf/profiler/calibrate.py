@@ -65,6 +65,7 @@ class Calibration:
     codec_scale: float = 1.0  # measured / profiled encode + decode
     dispatch_ms: float = 0.0
     profiled: dict[str, float] = field(default_factory=dict)  # the sums before scaling
+    rounds: int = 0  # timed rounds (`interleaved_ms`)
 
     def apply(self, ops: list[OpProfile], fixed_ms: float) -> tuple[list[OpProfile], float]:
         """`ops` with forward and codec times scaled, and the scaled ``fixed_ms``."""
@@ -230,6 +231,7 @@ def calibrate(
         recompute_ms=added_ms(times, "recompute", "plain"),
         keep_ms=added_ms(times, "keep", "plain"),
         codec_ms=added_ms(times, "compress", "keep"),
+        rounds=len(times["plain"]),
     )
     keep, compress = variants["keep"], variants["compress"]
     assert keep is not None and compress is not None

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.memory import StorageRecorder
+from ..runtime.memory import StorageRecorder, young_objects
 from ..runtime.peak import AllocationTracker
 from ..runtime.trace import autocast_context, detached_input
 from ..schema import OpSpec, Profile, Variant, variant_key
@@ -81,7 +81,10 @@ def alone_memory(
     tracker, rec = AllocationTracker(device), StorageRecorder()
     rec.where = "block"
     table = {"variant": variant if variant is not None and variant.checkpoint else None}
-    with table_runtimes(probe.block, probe.path, probe.group, probe.ops, table) as runtimes:
+    with (
+        young_objects(),
+        table_runtimes(probe.block, probe.path, probe.group, probe.ops, table) as runtimes,
+    ):
         runtime = runtimes["variant"]
         with tracker:
             tracker.mark("start")
