@@ -226,14 +226,27 @@ class _Run:
         return max(0, t.peak(f"start:{path}", end) - t.level(f"start:{path}"))
 
 
+def typical(group: BlockGroup, probe: BlockProbe) -> tuple[str, bool]:
+    """The block whose figures in the model a group's plain block is moved from, and whether the
+    probe must run with its input requiring a gradient. The first block's input may need none
+    where every later one does (frozen embeddings: LoRA): it then saves less (no statistics of
+    its input norm) and computes no input gradient, so the second block stands for the group."""
+    x = probe.args[0]
+    if len(group.paths) > 1 and isinstance(x, torch.Tensor) and not x.requires_grad:
+        return group.paths[1], True
+    return group.paths[0], False
+
+
 def plain_alone(
-    probe: BlockProbe, autocast: torch.dtype | None, pair: bool
+    probe: BlockProbe, autocast: torch.dtype | None, pair: bool, input_grad: bool = False
 ) -> tuple[AloneMemory, AloneMemory, AloneMemory | None]:
     """The probed block alone (`variants.alone_memory`) checkpointed, plain, and (`pair`) plain
     next to a plain block: a whole-model run per plain measurement costs a step, this a block."""
-    ckpt = alone_memory(probe, FULL_RECOMPUTE, autocast)
-    plain = alone_memory(probe, None, autocast)
-    return ckpt, plain, alone_memory(probe, None, autocast, then_plain=True) if pair else None
+    ckpt = alone_memory(probe, FULL_RECOMPUTE, autocast, input_grad=input_grad)
+    plain = alone_memory(probe, None, autocast, input_grad=input_grad)
+    if not pair:
+        return ckpt, plain, None
+    return ckpt, plain, alone_memory(probe, None, autocast, True, input_grad)
 
 
 def from_alone(
@@ -298,7 +311,8 @@ def measure(
                 skipped.append(f"pair {g.name}")
                 pair = False
             if backward and g.name in (probes or {}):
-                alone[g.name] = plain_alone(probes[g.name], autocast, pair)
+                path, grad = typical(g, probes[g.name])
+                alone[g.name] = path, plain_alone(probes[g.name], autocast, pair, grad)
                 continue
             with apply_adacc(base, policy(g.name)):
                 plain_runs[g.name] = _Run(base, kwargs, amp(), backward)
@@ -329,7 +343,8 @@ def measure(
     for g in groups:
         mem.block_fwd_transient[g.name] = max(run.forward_transient(p) for p in g.paths)
         if g.name in alone:
-            from_alone(mem, g.name, run, g.paths[0], *alone[g.name])
+            path, measured = alone[g.name]
+            from_alone(mem, g.name, run, path, *measured)
         elif g.name in plain_runs:
             r = plain_runs[g.name]
             mem.plain_fwd_transient[g.name] = r.forward_transient(g.paths[0])

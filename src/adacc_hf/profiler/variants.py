@@ -69,13 +69,18 @@ def alone_memory(
     variant: Variant | None,
     autocast: torch.dtype | None = None,
     then_plain: bool = False,
+    input_grad: bool = False,
 ) -> AloneMemory:
     """The block under `variant` (None: plain) as in a model: its output kept (the next block
     reads it), its output's gradient made inside autograd (freed once used, as a next block's
     backward hands it over), gradients of its parameters and input. `then_plain`: the block runs
     again, plain and forward only, on its own output, for what it holds when the next block is
-    plain too (``backward`` is then 0)."""
-    x, x_in = detached_input(probe.args[0])
+    plain too (``backward`` is then 0). `input_grad`: its input requires a gradient even where
+    the recorded one does not (the first block of a model with frozen embeddings)."""
+    x0 = probe.args[0]
+    if input_grad and isinstance(x0, torch.Tensor) and x0.is_floating_point():
+        x0 = x0.detach().requires_grad_()
+    x, x_in = detached_input(x0)
     params = [p for p in probe.block.parameters() if p.requires_grad]
     device = x.device
     tracker, rec = AllocationTracker(device), StorageRecorder()
