@@ -67,7 +67,7 @@ from .estimates import (
     timeline_head,
     to_own_head,
 )
-from .variants import FULL_RECOMPUTE, AloneMemory, BlockProbe, alone_memory
+from .variants import FULL_RECOMPUTE, AloneMemory, BlockProbe, alone_memory, later_input
 
 
 def sharded(model: nn.Module) -> bool:
@@ -228,11 +228,9 @@ class _Run:
 
 def typical(group: BlockGroup, probe: BlockProbe) -> tuple[str, bool]:
     """The block whose figures in the model a group's plain block is moved from, and whether the
-    probe must run with its input requiring a gradient. The first block's input may need none
-    where every later one does (frozen embeddings: LoRA): it then saves less (no statistics of
-    its input norm) and computes no input gradient, so the second block stands for the group."""
-    x = probe.args[0]
-    if len(group.paths) > 1 and isinstance(x, torch.Tensor) and not x.requires_grad:
+    probe runs with its input requiring a gradient: the second block where the first one's input
+    needs none (`variants.later_input`)."""
+    if later_input(probe, len(group.paths)):
         return group.paths[1], True
     return group.paths[0], False
 

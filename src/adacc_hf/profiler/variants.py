@@ -118,12 +118,21 @@ def alone_memory(
     )
 
 
+def later_input(probe: BlockProbe, num_blocks: int) -> bool:
+    """Whether the probed (first) block's input needs no gradient where a later block's does
+    (frozen embeddings: LoRA). The first block then saves no statistics of its input norm and
+    computes no input gradient: run alone, its input is made to require one, so it stands for
+    the later blocks (the conservative side for itself)."""
+    x = probe.args[0]
+    return num_blocks > 1 and isinstance(x, torch.Tensor) and not x.requires_grad
+
+
 def transients(
-    probe: BlockProbe, variant: Variant, autocast: torch.dtype | None = None
+    probe: BlockProbe, variant: Variant, autocast: torch.dtype | None = None, later: bool = False
 ) -> tuple[int, int]:
     """(forward peak above its start, backward peak above its start) of the block under
-    `variant` (`alone_memory`)."""
-    m = alone_memory(probe, variant, autocast)
+    `variant` (`alone_memory`; `later`: `later_input`)."""
+    m = alone_memory(probe, variant, autocast, input_grad=later)
     return m.forward, m.backward
 
 
@@ -176,11 +185,13 @@ def measure_variants(
                 continue
             if room is not None and group in profile.groups and run_nbytes(profile, group) > room:
                 continue
+            g = profile.groups.get(group)
+            later = later_input(probe, g.num_blocks if g is not None else 1)
             base = profile.variant_transients.get(f"{group}:full")
             if base is None:
-                base = list(transients(probe, FULL_RECOMPUTE, autocast))
+                base = list(transients(probe, FULL_RECOMPUTE, autocast, later))
                 profile.variant_transients[f"{group}:full"] = base
-            fwd, bwd = transients(probe, variant, autocast)
+            fwd, bwd = transients(probe, variant, autocast, later)
             profile.variant_transients[key] = [fwd - base[0], bwd - base[1]]
             new.setdefault(group, {})[key] = variant
     for group, timed in new.items():
