@@ -27,7 +27,7 @@ Inside a budget (``room``: the bytes profiling may add above what is alive when 
 run's peak is predicted before it runs: the full-recomputation run from the trainable gradients,
 each block's checkpointed input (``[tokens x hidden]`` per block) and the model's own LM head alone
 (`head`); a plain or pair run as the full-recomputation run's measured peak plus the bytes its
-plain blocks save (the outputs of the group's traced ops autograd saves). Where the model's own
+plain blocks save (a block alone: its largest op, and a pair one block more than that) (the outputs of the group's traced ops autograd saves). Where the model's own
 head does not fit, the timeline runs with the chunked head and is moved back to the model's own
 head by the measured (or extrapolated) difference of the two heads (`to_own_head`); a plain or
 pair run that does not fit is skipped and its group estimated from its traced ops
@@ -301,14 +301,19 @@ def measure(
         top = run.tracker.peak()
         plain_runs, pair_runs, alone = {}, {}, {}
         for g in groups:
-            if room is not None and top + plain_nbytes(specs[g.name], 1) > room:
+            # A block alone needs at most what full recomputation's run did (a block recomputed
+            # beside the rest), two plain blocks one plain block more: a whole-model run with
+            # plain blocks holds theirs beside the rest.
+            probe = (probes or {}).get(g.name) if backward else None
+            extra = (0, 1) if probe is not None else (1, 2)
+            if room is not None and top + plain_nbytes(specs[g.name], extra[0]) > room:
                 skipped.append(f"plain {g.name}")
                 continue
             pair = len(g.modules) > 1
-            if pair and room is not None and top + plain_nbytes(specs[g.name], 2) > room:
+            if pair and room is not None and top + plain_nbytes(specs[g.name], extra[1]) > room:
                 skipped.append(f"pair {g.name}")
                 pair = False
-            if backward and g.name in (probes or {}):
+            if probe is not None:
                 path, grad = typical(g, probes[g.name])
                 alone[g.name] = path, plain_alone(probes[g.name], autocast, pair, grad)
                 continue
