@@ -278,11 +278,39 @@ class AdaccSession(StepHooks, SessionProfiling):
                 break
             with phase("solve"):
                 policy = self.coordinator.share(lambda b=bound: self.solve(profile, reserve, b))
-        pred = policy.metadata.get("predicted")
-        if probes and isinstance(pred, dict) and "added_ms" in pred:
-            acc = self.config.gradient_accumulation_steps
+        if probes:
+            policy = self._within_budget(profile, probes, policy, reserve, room)
+        return policy
+
+    def _within_budget(
+        self,
+        profile: Profile,
+        probes: dict[str, BlockProbe],
+        policy: Policy,
+        reserve: int,
+        room: int | None,
+    ) -> Policy:
+        """`policy` predicted anew with every table it runs measured (the last ones are measured
+        after the last solve: their real transients can move the peak by some KiB); above the
+        budget, solved once more below it by the excess, else full recomputation."""
+        acc, static = self.config.gradient_accumulation_steps, self._static()
+        limit = self._budget() - reserve - self.oom_reserve_nbytes
+        final = predict(profile, policy, static, acc)
+        if final.peak_nbytes > limit:
+            with phase("solve"):
+                excess = reserve + final.peak_nbytes - limit
+                policy = self.coordinator.share(lambda: self.solve(profile, excess))
+            with self.own_forwards(), phase("action_tables"):
+                rounds = self.config.profile_repeats
+                measure_policy(profile, probes, policy, self.autocast, rounds, room)
+            final = predict(profile, policy, static, acc)
+            if final.peak_nbytes > limit:
+                policy = least_memory_policy(profile, static, acc, self.config.head)
+                final = predict(profile, policy, static, acc)
+        pred = policy.metadata.setdefault("predicted", {})
+        if "added_ms" in pred:
             pred["ops_added_ms"] = pred["added_ms"]  # the per-op sums the solver compared
-            pred["added_ms"] = predict(profile, policy, self._static(), acc).added_ms
+        pred.update(added_ms=final.added_ms, peak_nbytes=final.peak_nbytes, moment=final.moment)
         return policy
 
     def setup(self, batch: Mapping[str, Any], forward: bool = False) -> Policy:
