@@ -37,7 +37,7 @@ from .head import measure_heads
 from .memory import StepMemory, measure, sharded
 from .ops import GroupOps, candidate_codecs, op_visitor, profile_codec
 from .phases import phase, recording
-from .variants import BlockProbe, measure_policy, measure_variants
+from .variants import BlockProbe, measure_policy, measure_variants, recompute_key
 
 logger = logging.getLogger("adacc_hf")
 
@@ -216,6 +216,7 @@ def _profile_model(
         nonblock_grad_nbytes=nonblock_grads,
         batch_nbytes=batch_nbytes(sample_batch.values()),
         timeline=timeline,
+        variant_transients={recompute_key(n): v for n, v in mem.recompute_alone.items()},
         heads=heads,
         library_version=__version__,
         fingerprint={**run_fingerprint(base, autocast, codecs, codec_params), "heads": head},

@@ -218,8 +218,8 @@ def calibrate(
     repeats: int = 5,
 ) -> Calibration:
     """Time the block under the four tables (`interleaved_ms`, `MIN_ROUNDS` rounds, or
-    `SETTLED_ROUNDS` where those agree; medians of each round's differences) and derive the scales and the
-    dispatch overhead (module docstring)."""
+    `SETTLED_ROUNDS` where those agree; medians of each round's differences) and derive the
+    scales and the dispatch overhead (module docstring)."""
     specs = [o.spec() for o in ops]
     variants = tables(ops)
     with table_runtimes(block, path, group, specs, variants) as runtimes:

@@ -39,6 +39,8 @@ class StepMemory:
     measured_backward: bool = True
     timeline: Timeline | None = None  # the full-recomputation step, block by block
     skipped: list[str] = field(default_factory=list)  # runs predicted not to fit the room
+    # the probed block alone under full recomputation: (forward, backward) peaks per group
+    recompute_alone: dict[str, list[int]] = field(default_factory=dict)
 
 
 def grad_nbytes(modules: Iterable[nn.Module]) -> int:

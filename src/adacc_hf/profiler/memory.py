@@ -27,8 +27,8 @@ Inside a budget (``room``: the bytes profiling may add above what is alive when 
 run's peak is predicted before it runs: the full-recomputation run from the trainable gradients,
 each block's checkpointed input (``[tokens x hidden]`` per block) and the model's own LM head alone
 (`head`); a plain or pair run as the full-recomputation run's measured peak plus the bytes its
-plain blocks save (a block alone: its largest op, and a pair one block more than that) (the outputs of the group's traced ops autograd saves). Where the model's own
-head does not fit, the timeline runs with the chunked head and is moved back to the model's own
+plain blocks save (the outputs of the group's traced ops autograd saves; a block alone adds only
+its largest op, a pair alone one plain block more). Where the model's own head does not fit, the timeline runs with the chunked head and is moved back to the model's own
 head by the measured (or extrapolated) difference of the two heads (`to_own_head`); a plain or
 pair run that does not fit is skipped and its group estimated from its traced ops
 (`estimates.skipped_plain`). The backward a plain run holds is not what training holds under
@@ -256,9 +256,11 @@ def from_alone(
     plain: AloneMemory,
     pair: AloneMemory | None,
 ) -> None:
-    """A group's plain-block fields: what the full-recomputation `run` measured for its first
-    block (`path`) in the model, moved by the difference plain - checkpointed measured alone
-    (the model around the block, the same under both, cancels out)."""
+    """A group's plain-block fields: what the full-recomputation `run` measured in the model for
+    the block standing for the group (`path`, `typical`), moved by the difference plain -
+    checkpointed measured alone (the model around the block, the same under both, cancels out);
+    the checkpointed block alone is kept as the action tables' base (`variants.recompute_key`)."""
+    mem.recompute_alone[group] = [ckpt.forward, ckpt.backward]
     held = run.report.blocks[path]
     mem.full[group] = held + plain.held - ckpt.held
     mem.plain_casts[group] = plain.casts
@@ -314,8 +316,8 @@ def measure(
                 skipped.append(f"pair {g.name}")
                 pair = False
             if probe is not None:
-                path, grad = typical(g, probes[g.name])
-                alone[g.name] = path, plain_alone(probes[g.name], autocast, pair, grad)
+                path, grad = typical(g, probe)
+                alone[g.name] = path, plain_alone(probe, autocast, pair, grad)
                 continue
             with apply_adacc(base, policy(g.name)):
                 plain_runs[g.name] = _Run(base, kwargs, amp(), backward)

@@ -127,13 +127,10 @@ def later_input(probe: BlockProbe, num_blocks: int) -> bool:
     return num_blocks > 1 and isinstance(x, torch.Tensor) and not x.requires_grad
 
 
-def transients(
-    probe: BlockProbe, variant: Variant, autocast: torch.dtype | None = None, later: bool = False
-) -> tuple[int, int]:
-    """(forward peak above its start, backward peak above its start) of the block under
-    `variant` (`alone_memory`; `later`: `later_input`)."""
-    m = alone_memory(probe, variant, autocast, input_grad=later)
-    return m.forward, m.backward
+def recompute_key(group: str) -> str:
+    """Where ``Profile.variant_transients`` keeps the group's block alone under full
+    recomputation: (forward, backward) peaks, the base every table's difference is taken from."""
+    return f"{group}:full"
 
 
 def variant_times(
@@ -187,12 +184,15 @@ def measure_variants(
                 continue
             g = profile.groups.get(group)
             later = later_input(probe, g.num_blocks if g is not None else 1)
-            base = profile.variant_transients.get(f"{group}:full")
+            base = profile.variant_transients.get(recompute_key(group))
             if base is None:
-                base = list(transients(probe, FULL_RECOMPUTE, autocast, later))
-                profile.variant_transients[f"{group}:full"] = base
-            fwd, bwd = transients(probe, variant, autocast, later)
-            profile.variant_transients[key] = [fwd - base[0], bwd - base[1]]
+                full = alone_memory(probe, FULL_RECOMPUTE, autocast, input_grad=later)
+                base = profile.variant_transients[recompute_key(group)] = [
+                    full.forward,
+                    full.backward,
+                ]
+            m = alone_memory(probe, variant, autocast, input_grad=later)
+            profile.variant_transients[key] = [m.forward - base[0], m.backward - base[1]]
             new.setdefault(group, {})[key] = variant
     for group, timed in new.items():
         ms = variant_times(probes[group], list(timed.values()), autocast, rounds)
