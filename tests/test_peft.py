@@ -65,6 +65,27 @@ def test_lora_trains_with_a_mixed_compress_policy():
     assert losses[-1] < losses[0]
 
 
+def _lora_without_dropout():
+    """`_lora` with dropout off: the measured step and the profile draw alike."""
+    model = _lora()
+    model.base_model.model.config.use_cache = False
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def _measured_peak(model, batch, opt) -> int:
+    """Every allocation of a real step, after two steps (the optimizer's state exists)."""
+    from adacc_hf import measure_step_peak
+
+    for _ in range(2):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return measure_step_peak(model, batch, opt).peak_nbytes
+
+
 @pytest.mark.parametrize("plain", [0, 1], ids=["first-plain", "last-plain"])
 def test_a_plain_block_of_a_lora_model_is_predicted_at_or_above_its_step_peak(plain):
     """With frozen embeddings the first block's input needs no gradient: it saves no statistics
@@ -72,16 +93,12 @@ def test_a_plain_block_of_a_lora_model_is_predicted_at_or_above_its_step_peak(pl
     was measured on that first block, so a later plain block's step was predicted under its
     measured peak (768 B here, 16-20 KB on SmolLM2 LoRA: 18 KB over a budget it was planned to
     the byte). The truth: every allocation of the real step (`measure_step_peak`)."""
-    from adacc_hf import Policy, measure_step_peak, profile_model
+    from adacc_hf import Policy, profile_model
     from adacc_hf.schema import GroupPolicy, Variant
     from adacc_hf.solver import estimate_static_memory
     from adacc_hf.solver.cost_model import predict
 
-    model = _lora()
-    model.base_model.model.config.use_cache = False
-    for m in model.modules():  # dropout off: the measured step and the profile draw alike
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    model = _lora_without_dropout()
     batch = assets.tiny_batch("llama", assets.tiny_config("llama"), 4, 48)
     prof = profile_model(model, batch, repeats=1, codecs=())
     ops = prof.groups["block"].ops
@@ -92,11 +109,7 @@ def test_a_plain_block_of_a_lora_model_is_predicted_at_or_above_its_step_peak(pl
     policy = Policy(prof.model_type, prof.adapter, {"block": gp}, {})
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     with apply_adacc(model, policy):
-        for _ in range(2):  # the optimizer's state exists when the step is measured
-            model(**batch).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        measured = measure_step_peak(model, batch, opt).peak_nbytes
+        measured = _measured_peak(model, batch, opt)
     static = estimate_static_memory(model, optimizer="adamw_torch")
     predicted = predict(prof, policy, static).peak_nbytes
     assert measured <= predicted <= 1.05 * measured, (predicted - measured, measured)
@@ -107,25 +120,17 @@ def test_a_lora_plan_inside_its_budget_predicts_its_step_peak():
     fits where a whole-model plain run would not, and is no longer estimated from the first
     block's ops, which miss a later block's input-norm statistics: 2 KiB short here, 18 KiB on
     SmolLM2 LoRA). The truth: every allocation of the real step."""
-    from adacc_hf import estimate_static_memory, measure_step_peak, prepare, profile_model
+    from adacc_hf import estimate_static_memory, prepare, profile_model
     from adacc_hf.solver import budget_between
 
-    model = _lora()
-    model.base_model.model.config.use_cache = False
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    model = _lora_without_dropout()
     batch = assets.tiny_batch("llama", assets.tiny_config("llama"), 8, 64)
     static = estimate_static_memory(model, optimizer="adamw_torch")
     budget = budget_between(profile_model(model, batch, repeats=1, codecs=()), static, 0.5)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     session = prepare(model, budget, optimizer=opt, adaptive=False, codecs=[], profile_repeats=1)
     try:
-        for _ in range(2):
-            model(**batch).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        measured = measure_step_peak(model, batch, opt).peak_nbytes
+        measured = _measured_peak(model, batch, opt)
         predicted = session.current.policy.metadata["predicted"]["peak_nbytes"]
         assert any(not v.checkpoint for v in session.current.policy.groups["block"].variants)
     finally:
