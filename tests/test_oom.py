@@ -136,7 +136,7 @@ def test_the_plain_trainer_with_auto_find_batch_size_replans_after_an_error(tmp_
 
 @pytest.mark.slow
 def test_auto_micro_batch_on_a_device_smaller_than_the_budget_trains_to_the_end(tmp_path, caplog):
-    """The budget says 8 rows fit without checkpointing; the device holds about half of that:
+    """The budget says 8 rows fit without checkpointing; the device holds what 2 rows take:
     the search ends at the first micro-batch whose planning runs out, and the chosen one trains
     to the end, re-planned after any error, without raising."""
     from adacc_hf import AdaccTrainingArguments, measure_step_peak
@@ -145,7 +145,9 @@ def test_auto_micro_batch_on_a_device_smaller_than_the_budget_trains_to_the_end(
     sample = assets.tiny_batch("gpt2", model, batch_size=8, seq_len=48)
     opt = torch.optim.AdamW(model.parameters())
     budget = measure_step_peak(model, sample, opt).peak_nbytes  # 8 rows, no checkpointing
-    capacity = measure_step_peak(model, {k: v[:3] for k, v in sample.items()}, opt).peak_nbytes
+    # (3 rows' no longer stops the search: 8 rows' profiling fits it since a plain block is
+    # measured alone, and the search picks 8 rows, re-planned after the step's error)
+    capacity = measure_step_peak(model, {k: v[:2] for k, v in sample.items()}, opt).peak_nbytes
     del opt
     model.zero_grad(set_to_none=True)
     args = AdaccTrainingArguments(

@@ -91,8 +91,8 @@ def test_a_plain_block_of_a_lora_model_is_predicted_at_or_above_its_step_peak(pl
     """With frozen embeddings the first block's input needs no gradient: it saves no statistics
     of its input norm and computes no input gradient, unlike every later block. The plain block
     was measured on that first block, so a later plain block's step was predicted under its
-    measured peak (768 B here, 16-20 KB on SmolLM2 LoRA: 18 KB over a budget it was planned to
-    the byte). The truth: every allocation of the real step (`measure_step_peak`)."""
+    measured peak (768 B here). The truth: every allocation of the real step
+    (`measure_step_peak`)."""
     from adacc_hf import Policy, profile_model
     from adacc_hf.schema import GroupPolicy, Variant
     from adacc_hf.solver import estimate_static_memory
@@ -118,8 +118,8 @@ def test_a_plain_block_of_a_lora_model_is_predicted_at_or_above_its_step_peak(pl
 def test_a_lora_plan_inside_its_budget_predicts_its_step_peak():
     """Planned by a session inside a budget (profiling's room: the plain block measured alone
     fits where a whole-model plain run would not, and is no longer estimated from the first
-    block's ops, which miss a later block's input-norm statistics: 2 KiB short here, 18 KiB on
-    SmolLM2 LoRA). The truth: every allocation of the real step."""
+    block's ops, which miss a later block's input-norm statistics: 2 KiB short here). The truth:
+    every allocation of the real step."""
     from adacc_hf import estimate_static_memory, prepare, profile_model
     from adacc_hf.solver import budget_between
 

@@ -20,12 +20,11 @@ from torch import nn
 
 from ..adapters import unwrap_model
 from ..errors import AdaccError, BudgetError
-from ..evolution import OutlierTracker, TrackingSchedule, tracking_need, tracking_room_cap
+from ..evolution import OutlierTracker, TrackingSchedule
 from ..policy import Policy
 from ..policy.display import describe, metrics
-from ..profiler import BlockProbe, measure_policy
-from ..profiler.fidelity import policy_block_error
-from ..profiler.phases import format_phases, phase, recording
+from ..profiler import BlockProbe
+from ..profiler.phases import format_phases, recording
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.allocator import use_expandable_segments
 from ..runtime.capacity import oom_count
@@ -36,18 +35,14 @@ from ..solver import (
     StaticMemory,
     budget_window,
     estimate_static_memory,
-    headroom_for,
     least_memory_policy,
     parse_budget,
-    planned_budget,
-    predict,
-    solve_policy,
 )
 from .config import AdaccConfig, detect_autocast
 from .coordinator import Coordinator, coordinator_for_process
 from .guard import DerivedCheck, ReservedGuard
 from .plans import AdaccEvent, Plan
-from .profiling import SessionProfiling, serves
+from .profiling import serves
 from .shapes import ShapeKey, key_text, shape_key
 from .steps import StepHooks
 
@@ -56,9 +51,10 @@ logger = logging.getLogger("adacc_hf")
 __all__ = ["AdaccConfig", "AdaccEvent", "AdaccSession", "Plan"]
 
 
-class AdaccSession(StepHooks, SessionProfiling):
+class AdaccSession(StepHooks):
     """Owns the plans (profile + policy per bucket), the patch on the model and the rectifier
-    (its per-step part: `steps.StepHooks`; profiling a bucket: `profiling.SessionProfiling`)."""
+    (its per-step part: `steps.StepHooks`; profiling a bucket: `profiling.SessionProfiling`; solving
+    it: `solving.SessionSolving`)."""
 
     def __init__(
         self,
@@ -115,18 +111,6 @@ class AdaccSession(StepHooks, SessionProfiling):
 
     # ------------------------------------------------------------------ plans
     @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def policy(self) -> Policy | None:
-        return self.current.policy if self.current is not None else None
-
-    @property
-    def profile(self) -> Profile | None:
-        return self.current.profile if self.current is not None else None
-
-    @property
     def static_nbytes(self) -> int | None:
         return self.static.total if self.static is not None else None
 
@@ -141,46 +125,6 @@ class AdaccSession(StepHooks, SessionProfiling):
             resident = live_state_nbytes(self.model)
             self.budget_nbytes = parse_budget(self.config.budget, self.device, resident)
         return self.budget_nbytes
-
-    def solve(
-        self, profile: Profile, reserve: int = 0, max_grad_error: float | None = None
-    ) -> Policy:
-        """The policy for `profile` under the session's budget (keeping `headroom` free, and
-        `reserve` bytes below it: what the allocator reserved over the budget, `guard`; adaptive,
-        also the room its tracking steps measure codecs in), its blocks' gradient error bounded
-        by `max_grad_error` (default: the config's)."""
-        c, static = self.config, self._static()
-        acc = c.gradient_accumulation_steps
-        budget = self._budget()
-        reserve += self.oom_reserve_nbytes
-
-        def solve(kept_free: int) -> Policy:
-            planned = planned_budget(budget, static, profile, c.headroom, acc, c.head, kept_free)
-            return solve_policy(
-                profile,
-                planned,
-                static_nbytes=static,
-                codecs=c.codecs,
-                max_rel_error=c.max_codec_error,
-                max_grad_error=c.max_grad_error if max_grad_error is None else max_grad_error,
-                solver=c.solver,
-                time_limit_s=c.solver_time_limit,
-                split_blocks=c.split_blocks,
-                accumulation=acc,
-                head=c.head,
-            )
-
-        policy, need = solve(reserve), 0
-        if c.adaptive:  # room for the rectifier to re-measure the lossy codecs the plan runs
-            need = min(tracking_need(profile, policy), tracking_room_cap(budget, static))
-            peak = policy.metadata.get("predicted", {}).get("peak_nbytes")
-            if need and peak is not None and budget - reserve - peak < need:
-                policy = solve(reserve + need)
-        headroom = headroom_for(profile) if c.headroom is None else c.headroom
-        policy.metadata.update(
-            budget_spec=str(c.budget), budget_nbytes=budget, headroom=headroom, tracking_nbytes=need
-        )
-        return policy
 
     def key_of(self, batch: Mapping[str, Any]) -> ShapeKey:
         """The bucket of `batch`, agreed on by every rank (the largest of theirs)."""
@@ -247,71 +191,6 @@ class AdaccSession(StepHooks, SessionProfiling):
             logger.info("adacc plan for %s", msg)
         logger.debug("adacc plan for %s:\n%s", key_text(key), policy.table())
         return plan
-
-    def solve_measured(
-        self,
-        profile: Profile,
-        probes: dict[str, BlockProbe],
-        reserve: int = 0,
-        room: int | None = None,
-    ) -> Policy:
-        """Solve; measure and time the action tables the policy uses on the profiled blocks
-        (their real transients go into the profile) and their blocks' gradient error, and solve
-        again with them, up to twice; the final policy's tables measured too, its predicted added
-        time is theirs (`predict`). A measured gradient error above ``max_grad_error`` (the solver
-        predicts it from single-op errors in quadrature) scales the bound down by the miss."""
-        bound = self.config.max_grad_error
-        with phase("solve"):
-            policy = self.coordinator.share(lambda: self.solve(profile, reserve, bound))
-        for attempt in range(3 if probes else 0):
-            with self.own_forwards():
-                rounds = self.config.profile_repeats
-                with phase("action_tables"):
-                    new = measure_policy(profile, probes, policy, self.autocast, rounds, room)
-                with phase("policy_error"):
-                    err = policy_block_error(probes, policy, self.autocast) if bound else 0.0
-            policy.metadata["measured_grad_error"] = err
-            limit = self.config.max_grad_error
-            if limit is not None and bound and err > 1.05 * limit and attempt < 2:
-                bound, new = bound * limit / err, True
-            if not new or attempt == 2:
-                break
-            with phase("solve"):
-                policy = self.coordinator.share(lambda b=bound: self.solve(profile, reserve, b))
-        if probes:
-            policy = self._within_budget(profile, probes, policy, reserve, room)
-        return policy
-
-    def _within_budget(
-        self,
-        profile: Profile,
-        probes: dict[str, BlockProbe],
-        policy: Policy,
-        reserve: int,
-        room: int | None,
-    ) -> Policy:
-        """`policy` predicted anew with every table it runs measured (the last ones are measured
-        after the last solve: their real transients can move the peak by some KiB); above the
-        budget, solved once more below it by the excess, else full recomputation."""
-        acc, static = self.config.gradient_accumulation_steps, self._static()
-        limit = self._budget() - reserve - self.oom_reserve_nbytes
-        final = predict(profile, policy, static, acc)
-        if final.peak_nbytes > limit:
-            with phase("solve"):
-                excess = reserve + final.peak_nbytes - limit
-                policy = self.coordinator.share(lambda: self.solve(profile, excess))
-            with self.own_forwards(), phase("action_tables"):
-                rounds = self.config.profile_repeats
-                measure_policy(profile, probes, policy, self.autocast, rounds, room)
-            final = predict(profile, policy, static, acc)
-            if final.peak_nbytes > limit:
-                policy = least_memory_policy(profile, static, acc, self.config.head)
-                final = predict(profile, policy, static, acc)
-        pred = policy.metadata.setdefault("predicted", {})
-        if "added_ms" in pred:
-            pred["ops_added_ms"] = pred["added_ms"]  # the per-op sums the solver compared
-        pred.update(added_ms=final.added_ms, peak_nbytes=final.peak_nbytes, moment=final.moment)
-        return policy
 
     def setup(self, batch: Mapping[str, Any], forward: bool = False) -> Policy:
         """Plan `batch`'s bucket (and, when ``max_seq_len`` is set, the longest one, so a budget
@@ -406,10 +285,6 @@ class AdaccSession(StepHooks, SessionProfiling):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-
-    @property
-    def active(self) -> bool:
-        return self.handle is not None and self.handle.active
 
     def drain_events(self) -> list[AdaccEvent]:
         events, self.events = self.events, []

@@ -11,7 +11,9 @@ allocator reserved with the budget (`guard`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from ..evolution import (
     OutlierTracker,
@@ -22,22 +24,54 @@ from ..evolution import (
 )
 from ..policy import Policy
 from ..policy.display import describe, metrics
+from ..runtime import AdaccHandle
 from ..runtime.capacity import oom_count
+from ..schema import Profile
+from .guard import DerivedCheck, ReservedGuard
 from .oom import at_floor, grown_reserve, oom_event
-from .plans import AdaccEvent
-
-if TYPE_CHECKING:
-    from .session import AdaccSession
+from .plans import AdaccEvent, Plan
+from .solving import SessionSolving
 
 logger = logging.getLogger("adacc_hf")
 
 __all__ = ["StepHooks"]
 
 
-class StepHooks:
-    """The per-step half of `AdaccSession` (see the module docstring)."""
+class StepHooks(SessionSolving):
+    """The per-step part of `AdaccSession` (see the module docstring), over its profiling and
+    solving parts; the session sets these attributes and patches the model (`apply`)."""
 
-    def on_step_begin(self: AdaccSession, step: int) -> None:
+    current: Plan | None
+    fixed: bool
+    handle: AdaccHandle | None
+    schedule: TrackingSchedule
+    events: list[AdaccEvent]
+    budget_nbytes: int | None
+    guard: ReservedGuard
+    derived_check: DerivedCheck
+    step: int
+    _tracker: OutlierTracker | None
+    _ooms_seen: int
+
+    def apply(self, policy: Policy) -> None: ...
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def policy(self) -> Policy | None:
+        return self.current.policy if self.current is not None else None
+
+    @property
+    def profile(self) -> Profile | None:
+        return self.current.profile if self.current is not None else None
+
+    @property
+    def active(self) -> bool:
+        return self.handle is not None and self.handle.active
+
+    def on_step_begin(self, step: int) -> None:
         """Call before the forward of optimizer step `step` (1-based)."""
         self.step = step
         if (
@@ -55,7 +89,7 @@ class StepHooks:
             self._tracker = OutlierTracker(self.profile, room=room[0], forward_room=room[1])
             self.handle.set_tracker(self._tracker)
 
-    def on_step_end(self: AdaccSession, step: int) -> AdaccEvent | None:
+    def on_step_end(self, step: int) -> AdaccEvent | None:
         """Call after optimizer step `step`: the reserved-memory guard; on tracking steps,
         re-solve and maybe switch."""
         for plan in self.derived_check.step_ended(self.device, self.coordinator.agree):
@@ -103,7 +137,7 @@ class StepHooks:
         self.events.append(event)
         return event
 
-    def out_of_memory(self: AdaccSession, message: str = "") -> bool:
+    def out_of_memory(self, message: str = "") -> bool:
         """After an out-of-memory error (its `message`): grow the device reserve every plan keeps
         free below the budget (`oom`) and mark every bucket for re-planning before its next
         forward. False where the reserve already left only full recomputation: the error is the
@@ -121,7 +155,7 @@ class StepHooks:
         self.events.append(oom_event(self.step, before, self.oom_reserve_nbytes, message))
         return True
 
-    def check_oom(self: AdaccSession) -> None:
+    def check_oom(self) -> None:
         """Before a forward: an out-of-memory error raised since the last check (CUDA's own count,
         or a simulated device's) that nobody reported grows the reserve (a loop or Trainer that
         caught it and goes on: accelerate's ``find_executable_batch_size``, ``auto_find_batch_size``)."""
@@ -136,12 +170,12 @@ class StepHooks:
             )
         self._ooms_seen = seen
 
-    def step_done(self: AdaccSession, step: int) -> AdaccEvent | None:
+    def step_done(self, step: int) -> AdaccEvent | None:
         """For custom loops: call once after each optimizer step."""
         event = self.on_step_end(step)
         self.on_step_begin(step + 1)
         return event
 
-    def restore_schedule(self: AdaccSession, state: dict[str, Any]) -> None:
+    def restore_schedule(self, state: dict[str, Any]) -> None:
         """Continue a saved tracking schedule (resume)."""
         self.schedule = TrackingSchedule.from_state_dict(state)

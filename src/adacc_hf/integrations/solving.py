@@ -1,0 +1,150 @@
+"""Solving a bucket's plan: `AdaccSession.solve` under the budget, then `solve_measured` with the
+action tables and gradient error the policy runs measured on the profiled blocks, and the final
+prediction checked against the budget with every measured table in it."""
+
+from __future__ import annotations
+
+from ..errors import AdaccError, BudgetError
+from ..evolution import tracking_need, tracking_room_cap
+from ..policy import Policy
+from ..profiler import BlockProbe, measure_policy
+from ..profiler.fidelity import policy_block_error
+from ..profiler.phases import phase
+from ..schema import Profile
+from ..solver import headroom_for, least_memory_policy, planned_budget, predict, solve_policy
+from ..units import fmt_bytes
+from .profiling import SessionProfiling
+
+__all__ = ["SessionSolving"]
+
+
+class SessionSolving(SessionProfiling):
+    """The solving part of `AdaccSession` (a mixin over its profiling part)."""
+
+    def solve(
+        self, profile: Profile, reserve: int = 0, max_grad_error: float | None = None
+    ) -> Policy:
+        """The policy for `profile` under the session's budget (keeping `headroom` free, and
+        `reserve` bytes below it: what the allocator reserved over the budget, `guard`; adaptive,
+        also the room its tracking steps measure codecs in), its blocks' gradient error bounded
+        by `max_grad_error` (default: the config's)."""
+        c, static = self.config, self._static()
+        acc = c.gradient_accumulation_steps
+        budget = self._budget()
+        reserve += self.oom_reserve_nbytes
+
+        def solve(kept_free: int) -> Policy:
+            planned = planned_budget(budget, static, profile, c.headroom, acc, c.head, kept_free)
+            return solve_policy(
+                profile,
+                planned,
+                static_nbytes=static,
+                codecs=c.codecs,
+                max_rel_error=c.max_codec_error,
+                max_grad_error=c.max_grad_error if max_grad_error is None else max_grad_error,
+                solver=c.solver,
+                time_limit_s=c.solver_time_limit,
+                split_blocks=c.split_blocks,
+                accumulation=acc,
+                head=c.head,
+            )
+
+        policy, need = solve(reserve), 0
+        if c.adaptive:  # room for the rectifier to re-measure the lossy codecs the plan runs
+            need = min(tracking_need(profile, policy), tracking_room_cap(budget, static))
+            peak = policy.metadata.get("predicted", {}).get("peak_nbytes")
+            if need and peak is not None and budget - reserve - peak < need:
+                policy = solve(reserve + need)
+        headroom = headroom_for(profile) if c.headroom is None else c.headroom
+        policy.metadata.update(
+            budget_spec=str(c.budget), budget_nbytes=budget, headroom=headroom, tracking_nbytes=need
+        )
+        return policy
+
+    def solve_measured(
+        self,
+        profile: Profile,
+        probes: dict[str, BlockProbe],
+        reserve: int = 0,
+        room: int | None = None,
+    ) -> Policy:
+        """Solve; measure and time the action tables the policy uses on the profiled blocks
+        (their real transients go into the profile) and their blocks' gradient error, and solve
+        again with them, up to twice; the final policy's tables measured too, its predicted added
+        time is theirs (`predict`). A measured gradient error above ``max_grad_error`` (the solver
+        predicts it from single-op errors in quadrature) scales the bound down by the miss."""
+        bound = self.config.max_grad_error
+        with phase("solve"):
+            policy = self.coordinator.share(lambda: self.solve(profile, reserve, bound))
+        for attempt in range(3 if probes else 0):
+            with self.own_forwards():
+                rounds = self.config.profile_repeats
+                with phase("action_tables"):
+                    new = measure_policy(profile, probes, policy, self.autocast, rounds, room)
+                with phase("policy_error"):
+                    err = policy_block_error(probes, policy, self.autocast) if bound else 0.0
+            policy.metadata["measured_grad_error"] = err
+            limit = self.config.max_grad_error
+            if limit is not None and bound and err > 1.05 * limit and attempt < 2:
+                bound, new = bound * limit / err, True
+            if not new or attempt == 2:
+                break
+            with phase("solve"):
+                policy = self.coordinator.share(lambda b=bound: self.solve(profile, reserve, b))
+        if probes:
+            policy = self._within_budget(profile, probes, policy, reserve, room)
+        return policy
+
+    def _within_budget(
+        self,
+        profile: Profile,
+        probes: dict[str, BlockProbe],
+        policy: Policy,
+        reserve: int,
+        room: int | None,
+    ) -> Policy:
+        """`policy` predicted anew with every table it runs measured (the last ones are measured
+        after the last solve: their real transients can move the peak by some KiB); above the
+        budget, solved once more below it by the excess, else full recomputation. As in
+        `planned_budget`, a reserve never pushes the limit under full recomputation's peak where
+        the budget itself holds that; a `BudgetError` where it does not (the caller decides, as
+        for a solve that fails). Every rank decides on the largest of their predictions, so they
+        solve (a collective) alike."""
+        acc, static, budget = (
+            self.config.gradient_accumulation_steps,
+            self._static(),
+            self._budget(),
+        )
+        least = least_memory_policy(profile, static, acc, self.config.head)
+        least.metadata.update(budget_spec=str(self.config.budget), budget_nbytes=budget)
+        least_final = predict(profile, least, static, acc)
+        floor = self.coordinator.agree((least_final.peak_nbytes,))[0]
+        limit = max(budget - reserve - self.oom_reserve_nbytes, min(budget, floor))
+        final = predict(profile, policy, static, acc)
+        top = self.coordinator.agree((final.peak_nbytes,))[0]
+        if top > limit:
+            try:
+                with phase("solve"):
+                    excess = reserve + top - limit
+                    policy = self.coordinator.share(lambda: self.solve(profile, excess))
+            except AdaccError:  # nothing fits below the excess (the leader's BudgetError)
+                top = None
+            else:
+                with self.own_forwards(), phase("action_tables"):
+                    rounds = self.config.profile_repeats
+                    measure_policy(profile, probes, policy, self.autocast, rounds, room)
+                final = predict(profile, policy, static, acc)
+                top = self.coordinator.agree((final.peak_nbytes,))[0]
+            if top is None or top > limit:
+                if floor > limit:
+                    raise BudgetError(
+                        f"no policy fits {fmt_bytes(limit)} once its action tables are "
+                        f"measured: full recomputation needs {fmt_bytes(floor)}; raise the "
+                        "budget or shorten the batch"
+                    )
+                policy, final = least, least_final
+        pred = policy.metadata.setdefault("predicted", {})
+        if "added_ms" in pred:
+            pred["ops_added_ms"] = pred["added_ms"]  # the per-op sums the solver compared
+        pred.update(added_ms=final.added_ms, peak_nbytes=final.peak_nbytes, moment=final.moment)
+        return policy
