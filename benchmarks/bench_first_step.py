@@ -164,12 +164,12 @@ def trainer_for(
 def phases(meter: Any, log: list[dict]) -> Iterator[None]:
     """Record each profiling phase's metered peak (bytes alive before, highest, after) in `log`:
     the library's profiling functions wrapped where they are looked up, for this run only."""
-    import adacc_hf.integrations.session as session
+    import adacc_hf.integrations.solving as solving
     import adacc_hf.profiler as profiler
 
     names = {
         profiler: ("run_representatives", "measure_heads", "measure", "measure_grad_errors"),
-        session: ("measure_policy", "policy_block_error"),
+        solving: ("measure_policy", "policy_block_error"),
     }
     saved = [(mod, n, getattr(mod, n)) for mod, ns in names.items() for n in ns]
 

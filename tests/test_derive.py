@@ -16,6 +16,8 @@ from adacc_hf.integrations.shapes import padded, shape_key, tiny_batch, tiny_key
 from adacc_hf.profiler.derive import (
     GROUP_BYTES,
     PROFILE_BYTES,
+    SLACK,
+    chord_excess,
     interpolate_memory,
     length_share,
     ratio,
@@ -106,6 +108,27 @@ def test_interpolated_memory_never_under_counts_and_predicts_the_real_step(famil
     # whole, 27-49 %; on SmolLM2: `benchmarks/profile_breakdown.py`).
     bound = 1.3 if rows == 4 else 1.6
     assert all(peak <= pred <= bound * peak for _, peak, pred, _ in seen), seen
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_the_chord_excess_is_what_the_chord_over_counts_a_plain_block_by(dropout):
+    """`chord_excess`, from the ops traced at the three shapes, against the memory pass: what a
+    plain block holds (`full_nbytes`, measured at 4 x 16, 4 x 32 and 4 x 64) is over-counted by
+    the chord through 16 and 64 by exactly the excess per block (and `SLACK`). With attention
+    dropout, SDPA runs its math path, whose scores, softmax and dropout grow with length squared;
+    without, its fused kernel holds nothing quadratic: no excess."""
+    model = assets.tiny_model("llama", seed=0, attention_dropout=dropout)
+    b = {n: assets.tiny_batch("llama", model, batch_size=4, seq_len=n) for n in (16, 32, 64)}
+    low, near = profile_model(model, b[16], repeats=1), profile_model(model, b[64], repeats=1)
+    measured = profile_model(model, b[32], repeats=1, reference=near)
+    derived = profile_model(model, b[32], repeats=1, reference=near, memory=False)
+    shapes = ((4, 16), (4, 64), (4, 32))
+    r, length = ratio(*shapes), length_share(*shapes)
+    excess = chord_excess(low, near, derived, r, length)
+    interpolate_memory(derived, low, near, r, 0.5, length)
+    g, m = derived.groups["block"], measured.groups["block"]
+    assert g.full_nbytes - m.full_nbytes - SLACK == excess // g.num_blocks
+    assert (excess > 0) == (dropout > 0), excess
 
 
 def test_later_buckets_are_interpolated_and_a_step_that_disproves_one_measures_it():

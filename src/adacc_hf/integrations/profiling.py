@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 from ..profiler import BlockProbe, capture_probes, profile_model
-from ..profiler.derive import contains, interpolate_memory, length_share, ratio
+from ..profiler.derive import chord_excess, contains, interpolate_memory, length_share, ratio
 from ..profiler.fingerprint import differences, run_fingerprint
 from ..profiler.memory import sharded
 from ..profiler.room import profiling_room
 from ..runtime.peak import storage_nbytes
 from ..runtime.sharded import forwards_without_backward
 from ..schema import Profile
+from ..units import fmt_bytes
 from .saved import read_profiles
 from .shapes import ShapeKey, derivable, key_text, key_tokens, padded, tiny_batch, tiny_key
 
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
     from .coordinator import Coordinator
 
 logger = logging.getLogger("adacc_hf")
+
+#: The share of the budget's activation room an interpolated bucket may give up to its chord's
+#: over-count (attention's quadratic parts) before its memory is measured instead.
+LOOSE = 0.02
 
 
 def serves(profile: Profile, head: str) -> bool:
@@ -142,12 +147,29 @@ class SessionProfiling:
                 self.profiles[low] = tiny
             profile = self._run_profile(sample, near, probes, room, memory=False)
             shapes = (low[:-1], outer[:-1], key[:-1])
-            scale = key_tokens(key) / key_tokens(outer)
             lo, hi = self.profiles[low], self.profiles[outer]
-            interpolate_memory(profile, lo, hi, ratio(*shapes), scale, length_share(*shapes))
-            profile.memory_from = [key_text(low), key_text(outer)]
+            r, length = ratio(*shapes), length_share(*shapes)
+            excess = chord_excess(lo, hi, profile, r, length)
+            if excess > self._loose_nbytes():  # attention's quadratic parts: measure instead
+                if self.coordinator.leader:
+                    logger.info(
+                        "adacc: bucket %s: memory measured (the chord from %s to %s over-counts "
+                        "its blocks' outputs by %s)",
+                        key_text(key), key_text(low), key_text(outer), fmt_bytes(excess),
+                    )  # fmt: skip
+                profile = self._run_profile(sample, near, probes, room)
+            else:
+                scale = key_tokens(key) / key_tokens(outer)
+                interpolate_memory(profile, lo, hi, r, scale, length)
+                profile.memory_from = [key_text(low), key_text(outer)]
         profile.fingerprint["bucket"] = key_text(key)
         return profile
+
+    def _loose_nbytes(self) -> int:
+        """The most an interpolated bucket's chord may over-count (`derive.chord_excess`):
+        `LOOSE` of what the budget leaves beside static memory; past it a plan would give up
+        more than that to the bound, so the bucket's memory is measured."""
+        return int(LOOSE * max(0, self._budget() - self._static().total))
 
     def measure_in_full(self, plan: Any) -> None:
         """Profile `plan`'s bucket anew, its memory measured, before its next batch: a step of it

@@ -14,7 +14,9 @@ That chord never under-counts: each moment's level is a constant plus terms that
 fast as tokens between the two shapes, so the chord lies on or above it, and the chord of the
 highest of several moments lies on or above the highest of their chords. It is exact where
 activations scale with tokens (SDPA, the model's LM head), and over-counts attention's quadratic
-parts by their share of the difference. On CUDA the session checks the bucket's first real step
+parts by their share of the difference (`chord_excess` counts it from the traced ops: where it is
+more than a small share of the budget, the session measures the bucket instead). On CUDA the
+session checks the bucket's first real step
 against the prediction and profiles the bucket in full where the step allocated more
 (`integrations.guard.DerivedCheck`).
 """
@@ -30,6 +32,7 @@ from ..schema import GroupProfile, HeadCost, Profile, Timeline
 __all__ = [
     "GROUP_BYTES",
     "PROFILE_BYTES",
+    "chord_excess",
     "contains",
     "group_ratio",
     "interpolate_memory",
@@ -154,6 +157,29 @@ def group_ratio(
         if b.nbytes > a.nbytes:
             out = max(out, (o.nbytes - a.nbytes) / (b.nbytes - a.nbytes))
     return min(1.0, out) if new.ops else r
+
+
+def chord_excess(low: Profile, near: Profile, new: Profile, r: float, length: float = 1.0) -> int:
+    """Bytes by which the chord over-counts what the blocks hold for backward at `new` (their
+    saved op outputs, traced there), over every block: 0 where each grows with tokens (SDPA's
+    fused kernels), attention's quadratic parts where a block materialises them (eager or math
+    attention: scores, softmax, dropout). An op the two ends do not both have counts nothing
+    (`group_ratio` then takes the whole `r`)."""
+    out = 0
+    for name, g in new.groups.items():
+        lo, hi = low.groups.get(name), near.groups.get(name)
+        if hi is None:
+            continue
+        lo = lo or hi
+        rg = group_ratio(lo, hi, g, r, length)
+        lo_ops, hi_ops = {o.key: o for o in lo.ops}, {o.key: o for o in hi.ops}
+        excess = 0
+        for o in g.ops:
+            a, b = lo_ops.get(o.key), hi_ops.get(o.key)
+            if o.saved and a is not None and b is not None:
+                excess += max(0, a.nbytes + math.ceil((b.nbytes - a.nbytes) * rg) - o.nbytes)
+        out += g.num_blocks * excess
+    return out
 
 
 def interpolate_memory(
