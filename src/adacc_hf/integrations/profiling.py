@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("adacc_hf")
 
-#: The share of the budget's activation room an interpolated bucket may give up to its chord's
-#: over-count (attention's quadratic parts) before its memory is measured instead.
+#: The share of its step an interpolated bucket's prediction may over-count by its chord
+#: (attention's quadratic parts) before its memory is measured instead.
 LOOSE = 0.02
 
 
@@ -150,7 +150,7 @@ class SessionProfiling:
             lo, hi = self.profiles[low], self.profiles[outer]
             r, length = ratio(*shapes), length_share(*shapes)
             excess = chord_excess(lo, hi, profile, r, length)
-            if excess > self._loose_nbytes():  # attention's quadratic parts: measure instead
+            if excess > self._loose_nbytes(lo):  # attention's quadratic parts: measure instead
                 if self.coordinator.leader:
                     logger.info(
                         "adacc: bucket %s: memory measured (the chord from %s to %s over-counts "
@@ -165,11 +165,12 @@ class SessionProfiling:
         profile.fingerprint["bucket"] = key_text(key)
         return profile
 
-    def _loose_nbytes(self) -> int:
+    def _loose_nbytes(self, low: Profile) -> int:
         """The most an interpolated bucket's chord may over-count (`derive.chord_excess`):
-        `LOOSE` of what the budget leaves beside static memory; past it a plan would give up
-        more than that to the bound, so the bucket's memory is measured."""
-        return int(LOOSE * max(0, self._budget() - self._static().total))
+        `LOOSE` of the least its step can peak at (static memory and what full recomputation
+        holds at `low`, a bucket it contains), so its prediction stays within a few % of the
+        step; past it the bucket's memory is measured."""
+        return int(LOOSE * (self._static().total + low.full_recompute_nbytes()))
 
     def measure_in_full(self, plan: Any) -> None:
         """Profile `plan`'s bucket anew, its memory measured, before its next batch: a step of it
