@@ -35,7 +35,6 @@ from ..solver import (
     StaticMemory,
     budget_window,
     estimate_static_memory,
-    least_memory_policy,
     parse_budget,
 )
 from .config import AdaccConfig, detect_autocast
@@ -165,11 +164,7 @@ class AdaccSession(StepHooks):
                 raise
             # A batch longer than any planned one, which the budget cannot hold: never silently
             # over budget, and never a crash mid-run where full recomputation trains.
-            acc = self.config.gradient_accumulation_steps
-            policy = least_memory_policy(profile, self._static(), acc, self.config.head)
-            policy.metadata.update(
-                budget_spec=str(self.config.budget), budget_nbytes=self._budget()
-            )
+            policy = self.least_memory(profile)
             if "over_budget" not in self._warned:
                 self._warned.add("over_budget")
                 logger.warning(

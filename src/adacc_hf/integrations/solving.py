@@ -61,6 +61,14 @@ class SessionSolving(SessionProfiling):
         )
         return policy
 
+    def least_memory(self, profile: Profile) -> Policy:
+        """Full recomputation (`least_memory_policy`) for `profile`, labelled with the session's
+        budget: what a bucket runs when no other policy fits."""
+        c = self.config
+        policy = least_memory_policy(profile, self._static(), c.gradient_accumulation_steps, c.head)
+        policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=self._budget())
+        return policy
+
     def solve_measured(
         self,
         profile: Profile,
@@ -115,34 +123,36 @@ class SessionSolving(SessionProfiling):
             self._static(),
             self._budget(),
         )
-        least = least_memory_policy(profile, static, acc, self.config.head)
-        least.metadata.update(budget_spec=str(self.config.budget), budget_nbytes=budget)
-        least_final = predict(profile, least, static, acc)
-        floor = self.coordinator.agree((least_final.peak_nbytes,))[0]
-        limit = max(budget - reserve - self.oom_reserve_nbytes, min(budget, floor))
+        limit = budget - reserve - self.oom_reserve_nbytes
         final = predict(profile, policy, static, acc)
         top = self.coordinator.agree((final.peak_nbytes,))[0]
         if top > limit:
-            try:
-                with phase("solve"):
-                    excess = reserve + top - limit
-                    policy = self.coordinator.share(lambda: self.solve(profile, excess))
-            except AdaccError:  # nothing fits below the excess (the leader's BudgetError)
-                top = None
-            else:
-                with self.own_forwards(), phase("action_tables"):
-                    rounds = self.config.profile_repeats
-                    measure_policy(profile, probes, policy, self.autocast, rounds, room)
-                final = predict(profile, policy, static, acc)
-                top = self.coordinator.agree((final.peak_nbytes,))[0]
-            if top is None or top > limit:
-                if floor > limit:
-                    raise BudgetError(
-                        f"no policy fits {fmt_bytes(limit)} once its action tables are "
-                        f"measured: full recomputation needs {fmt_bytes(floor)}; raise the "
-                        "budget or shorten the batch"
-                    )
-                policy, final = least, least_final
+            # full recomputation's peak: the floor a reserve cannot push the limit under
+            least = self.least_memory(profile)
+            least_final = predict(profile, least, static, acc)
+            floor = self.coordinator.agree((least_final.peak_nbytes,))[0]
+            limit = max(limit, min(budget, floor))
+            if top > limit:
+                try:
+                    with phase("solve"):
+                        excess = reserve + top - limit
+                        policy = self.coordinator.share(lambda: self.solve(profile, excess))
+                except AdaccError:  # nothing fits below the excess (the leader's BudgetError)
+                    fits = False
+                else:
+                    with self.own_forwards(), phase("action_tables"):
+                        rounds = self.config.profile_repeats
+                        measure_policy(profile, probes, policy, self.autocast, rounds, room)
+                    final = predict(profile, policy, static, acc)
+                    fits = self.coordinator.agree((final.peak_nbytes,))[0] <= limit
+                if not fits:
+                    if floor > limit:
+                        raise BudgetError(
+                            f"no policy fits {fmt_bytes(limit)} once its action tables are "
+                            f"measured: full recomputation needs {fmt_bytes(floor)}; raise the "
+                            "budget or shorten the batch"
+                        )
+                    policy, final = least, least_final
         pred = policy.metadata.setdefault("predicted", {})
         if "added_ms" in pred:
             pred["ops_added_ms"] = pred["added_ms"]  # the per-op sums the solver compared

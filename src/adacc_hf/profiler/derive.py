@@ -15,16 +15,15 @@ fast as tokens between the two shapes, so the chord lies on or above it, and the
 highest of several moments lies on or above the highest of their chords. It is exact where
 activations scale with tokens (SDPA, the model's LM head), and over-counts attention's quadratic
 parts by their share of the difference (`chord_excess` counts it from the traced ops: where it is
-more than a small share of the budget, the session measures the bucket instead). On CUDA the
-session checks the bucket's first real step
-against the prediction and profiles the bucket in full where the step allocated more
-(`integrations.guard.DerivedCheck`).
+more than a small share of the bucket's step, the session measures the bucket instead). On CUDA
+the session checks the bucket's first real step against the prediction and profiles the bucket
+in full where the step allocated more (`integrations.guard.DerivedCheck`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
 from ..schema import GroupProfile, HeadCost, Profile, Timeline
@@ -159,6 +158,18 @@ def group_ratio(
     return min(1.0, out) if new.ops else r
 
 
+def _group_chords(
+    new: Profile, low: Profile, near: Profile, r: float, length: float
+) -> Iterator[tuple[GroupProfile, GroupProfile, GroupProfile, float]]:
+    """Each block group of `new` that `near` has, with its two ends (`low`'s, else `near`'s) and
+    its own share of the way (`group_ratio`)."""
+    for name, g in new.groups.items():
+        lo, hi = low.groups.get(name), near.groups.get(name)
+        if hi is not None:
+            lo = lo or hi
+            yield g, lo, hi, group_ratio(lo, hi, g, r, length)
+
+
 def chord_excess(low: Profile, near: Profile, new: Profile, r: float, length: float = 1.0) -> int:
     """Bytes by which the chord over-counts what the blocks hold for backward at `new` (their
     saved op outputs, traced there), over every block: 0 where each grows with tokens (SDPA's
@@ -166,12 +177,7 @@ def chord_excess(low: Profile, near: Profile, new: Profile, r: float, length: fl
     attention: scores, softmax, dropout). An op the two ends do not both have counts nothing
     (`group_ratio` then takes the whole `r`)."""
     out = 0
-    for name, g in new.groups.items():
-        lo, hi = low.groups.get(name), near.groups.get(name)
-        if hi is None:
-            continue
-        lo = lo or hi
-        rg = group_ratio(lo, hi, g, r, length)
+    for g, lo, hi, rg in _group_chords(new, low, near, r, length):
         lo_ops, hi_ops = {o.key: o for o in lo.ops}, {o.key: o for o in hi.ops}
         excess = 0
         for o in g.ops:
@@ -194,12 +200,7 @@ def interpolate_memory(
     by the chord from `low` to `near` at `r` (`ratio`; a block group's own fields at
     `group_ratio`, at least `length`: `length_share`); head times are `near`'s scaled by
     `time_scale`."""
-    for name, g in into.groups.items():
-        lo, hi = low.groups.get(name), near.groups.get(name)
-        if hi is None:
-            continue
-        lo = lo or hi
-        rg = group_ratio(lo, hi, g, r, length)
+    for g, lo, hi, rg in _group_chords(into, low, near, r, length):
         for f in GROUP_BYTES:
             setattr(g, f, _lerp(getattr(lo, f), getattr(hi, f), rg))
         _same_blocks(g, hi)

@@ -28,8 +28,8 @@ run's peak is predicted before it runs: the full-recomputation run from the trai
 each block's checkpointed input (``[tokens x hidden]`` per block) and the model's own LM head alone
 (`head`); a plain or pair run as the full-recomputation run's measured peak plus the bytes its
 plain blocks save (the outputs of the group's traced ops autograd saves; a block alone adds only
-its largest op, a pair alone one plain block more). Where the model's own head does not fit, the timeline runs with the chunked head and is moved back to the model's own
-head by the measured (or extrapolated) difference of the two heads (`to_own_head`); a plain or
+its largest op, a pair alone one plain block more). Where the model's own head does not fit, the
+timeline runs with the chunked head and is moved back to the model's own head by the measured (or extrapolated) difference of the two heads (`to_own_head`); a plain or
 pair run that does not fit is skipped and its group estimated from its traced ops
 (`estimates.skipped_plain`). The backward a plain run holds is not what training holds under
 every engine: ZeRO-2 reduces each gradient to a ``1/n`` partition as it comes, the run keeps them
