@@ -109,7 +109,7 @@ def tracking_need(profile: Profile, policy: Policy) -> int:
     for name, gp in policy.groups.items():
         for v in gp.variants:
             if v.count and v.checkpoint:
-                used |= {(name, k, a.codec) for k, a in v.actions.items() if a.kind == "compress"}
+                used |= {(name, k, a.codec) for k, a in v.actions.items() if a.codec is not None}
     largest = 0
     for name, g in profile.groups.items():
         for op in g.ops:
@@ -292,7 +292,7 @@ def should_switch(
         for v in gp.variants:
             for key, a in v.actions.items():
                 if (
-                    a.kind == "compress"
+                    a.codec is not None
                     and not errors.get((gname, key, a.codec), 0.0) <= max_rel_error
                 ):
                     return True

@@ -119,6 +119,22 @@ class AdaccTrainingArguments(TrainingArguments):
             "forwards return logits=None) or 'auto' (the solver picks the fastest that fits)."
         ),
     )
+    adacc_offload: bool | None = field(
+        default=None,
+        metadata=_help(
+            "Let the solver hold op outputs and block inputs in host memory until backward "
+            "(offload, as they are or compressed first), copied on a side stream and brought back "
+            "one block ahead. Default: on CUDA devices; True also on CPU (a stand-in host, for "
+            "tests); False: never."
+        ),
+    )
+    adacc_offload_host_cap: str | None = field(
+        default=None,
+        metadata=_help(
+            "Host memory offload may hold: bytes, '16GiB' or '50%' of the host's memory "
+            "(default: half the host memory available when the first plan is made)."
+        ),
+    )
     adacc_max_seq_len: int | None = field(
         default=None,
         metadata=_help(
@@ -230,6 +246,8 @@ class AdaccTrainingArguments(TrainingArguments):
             split_blocks=self.adacc_split_blocks,
             head=self.adacc_head,
             max_seq_len=self.adacc_max_seq_len,
+            offload=self.adacc_offload,
+            offload_host_cap=self.adacc_offload_host_cap,
             auto_batch_size=self.adacc_auto_batch_size,
             expandable_segments=self.adacc_expandable_segments,
             profile_from=self.adacc_profile,

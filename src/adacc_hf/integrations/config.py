@@ -11,8 +11,9 @@ import torch
 
 from ..codecs import CodecError, get_codec
 from ..errors import AdaccError
+from ..runtime.offload import default_host_cap
 from ..schema import HEADS
-from ..solver import MAX_GRAD_ERROR
+from ..solver import MAX_GRAD_ERROR, parse_budget
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: The fields of `AdaccConfig` that are `solver.estimate_static_memory` options of the same name.
@@ -82,6 +83,13 @@ class AdaccConfig:
     # custom loop, the output directory (or the checkpoint resumed from) in the Trainer; "none":
     # never.
     profile_from: str | None = None
+    # Offload (ops and block inputs held in host memory until backward) as actions the solver
+    # weighs: None: on CUDA devices; True: also elsewhere (on CPU, a stand-in host outside
+    # torch's allocator: for tests and benchmarks); False: never.
+    offload: bool | None = None
+    # The host memory offload may hold: bytes, "16GiB", "50%" of the host's memory; None: half
+    # the host memory available when the first plan is made (`runtime.offload`).
+    offload_host_cap: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.profile_from not in (None, "none") and not os.path.exists(self.profile_from):
@@ -90,6 +98,13 @@ class AdaccConfig:
                 "adacc_profiles.json or adacc_profile.json, or the output directory of an earlier "
                 "run; 'none' to always profile)"
             )
+        if self.offload_host_cap is not None:
+            try:
+                parse_budget(self.offload_host_cap, "cpu")
+            except Exception as e:
+                raise AdaccError(
+                    f"offload_host_cap: {e} (bytes, '16GiB' or '50%' of the host's memory)"
+                ) from None
         if self.headroom is not None and not 0 <= self.headroom < 0.5:
             raise AdaccError(f"headroom must be in [0, 0.5), got {self.headroom}")
         if self.codecs is not None:
@@ -130,6 +145,16 @@ class AdaccConfig:
 
     def codec_params(self) -> dict[str, dict[str, Any]]:
         return {"int4_outlier": {"zscore_threshold": self.zscore_threshold}}
+
+    def offloads_on(self, device: torch.device) -> bool:
+        """Whether plans on `device` may offload (see ``offload``)."""
+        return device.type == "cuda" if self.offload is None else bool(self.offload)
+
+    def host_cap_nbytes(self) -> int:
+        """Bytes of host memory offload may hold (``offload_host_cap``)."""
+        if self.offload_host_cap is None:
+            return default_host_cap()
+        return parse_budget(self.offload_host_cap, "cpu")
 
     @property
     def autocast(self) -> torch.dtype | None:

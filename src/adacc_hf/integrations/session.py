@@ -230,7 +230,9 @@ class AdaccSession(StepHooks):
         if self.handle is not None and self.handle.active:
             self.handle.set_policy(plan.policy)
         else:
-            self.handle = apply_adacc(self.model, plan.policy)
+            link = self._link  # the cap its plans were made for (None: the default cap)
+            cap = link.host_cap_nbytes if link is not None else None
+            self.handle = apply_adacc(self.model, plan.policy, host_cap=cap or None)
         self.current = plan
         if self._tracker is not None:
             self.handle.set_tracker(self._tracker)

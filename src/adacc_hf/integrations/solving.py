@@ -10,7 +10,8 @@ from ..policy import Policy
 from ..profiler import BlockProbe, measure_policy
 from ..profiler.fidelity import policy_block_error
 from ..profiler.phases import phase
-from ..schema import Profile
+from ..runtime.offload import measure_link
+from ..schema import OffloadLink, Profile
 from ..solver import headroom_for, least_memory_policy, planned_budget, predict, solve_policy
 from ..units import fmt_bytes
 from .profiling import SessionProfiling
@@ -20,6 +21,18 @@ __all__ = ["SessionSolving"]
 
 class SessionSolving(SessionProfiling):
     """The solving part of `AdaccSession` (a mixin over its profiling part)."""
+
+    _link: OffloadLink | None = None
+
+    def offload_link(self) -> OffloadLink | None:
+        """The host link plans may offload over (measured once per session), or None where the
+        config keeps offload off on this device."""
+        device = next(self.model.parameters()).device
+        if not self.config.offloads_on(device):
+            return None
+        if self._link is None:
+            self._link = measure_link(device, self.config.host_cap_nbytes())
+        return self._link
 
     def solve(
         self, profile: Profile, reserve: int = 0, max_grad_error: float | None = None
@@ -32,6 +45,7 @@ class SessionSolving(SessionProfiling):
         acc = c.gradient_accumulation_steps
         budget = self._budget()
         reserve += self.oom_reserve_nbytes
+        profile.offload = self.offload_link()
 
         def solve(kept_free: int) -> Policy:
             planned = planned_budget(budget, static, profile, c.headroom, acc, c.head, kept_free)
@@ -65,6 +79,7 @@ class SessionSolving(SessionProfiling):
         """Full recomputation (`least_memory_policy`) for `profile`, labelled with the session's
         budget: what a bucket runs when no other policy fits."""
         c = self.config
+        profile.offload = self.offload_link()
         policy = least_memory_policy(profile, self._static(), c.gradient_accumulation_steps, c.head)
         policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=self._budget())
         return policy

@@ -39,9 +39,11 @@ def from_trace(
     source: str,
     checkpoint: bool = True,
     metadata: dict[str, Any] | None = None,
+    offload_input: bool = False,
 ) -> Policy:
     """A single-variant policy: ``choose(op) -> Action`` for every cacheable op (``checkpoint=
-    False``: no checkpointing, ``choose`` unused). Ops of `ALWAYS_RETAIN` layer types (MoE
+    False``: no checkpointing, ``choose`` unused; `offload_input`: every block's input held in
+    host memory). Ops of `ALWAYS_RETAIN` layer types (MoE
     routers) are retained whatever ``choose`` says; statistic ops after a lossy op are recomputed
     (`consistency`)."""
     groups = {}
@@ -59,7 +61,7 @@ def from_trace(
             actions, _ = repair_actions(bt.ops, actions)  # no lossy input beside a statistic
         groups[name] = GroupPolicy(
             ops=list(bt.ops),
-            variants=[Variant(bt.num_blocks, checkpoint, actions)],
+            variants=[Variant(bt.num_blocks, checkpoint, actions, checkpoint and offload_input)],
             input_nbytes=bt.input_nbytes,
         )
     return Policy(
@@ -101,7 +103,9 @@ def uniform(
 
     ``"retain"`` runs every block without checkpointing; ``"recompute"`` is full activation
     checkpointing; ``"compress"`` compresses every output autograd keeps with its layer type's
-    codec (``codecs={layer_type: codec}`` overrides) and recomputes the rest.
+    codec (``codecs={layer_type: codec}`` overrides) and recomputes the rest; ``"offload"``
+    holds every output autograd keeps and every block's input in host memory (as they are) and
+    recomputes the rest.
     """
     if action not in ACTION_KINDS:
         raise PolicyError(f"unknown action {action!r}; use one of {', '.join(ACTION_KINDS)}")
@@ -109,6 +113,13 @@ def uniform(
         return from_trace(trace, None, source="uniform:retain", checkpoint=False)
     if action == "recompute":
         return from_trace(trace, lambda op: RECOMPUTE, source="uniform:recompute")
+    if action == "offload":
+        return from_trace(
+            trace,
+            lambda op: Action.offload() if op.saved else RECOMPUTE,
+            source="uniform:offload",
+            offload_input=True,
+        )
     pick = codec_picker(codecs, codec_params)
     return from_trace(
         trace, lambda op: pick(op) if op.saved else RECOMPUTE, source="uniform:compress"

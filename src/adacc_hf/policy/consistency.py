@@ -51,8 +51,9 @@ def keeps_statistics(op: OpSpec) -> bool:
 
 
 def lossy(action: Action) -> bool:
-    """A compress action whose codec does not give back exactly what it was given."""
-    return action.kind == "compress" and not get_codec(action.codec, **dict(action.params)).lossless
+    """A compress (or offload) action whose codec does not give back exactly what it was
+    given."""
+    return action.codec is not None and not get_codec(action.codec, **dict(action.params)).lossless
 
 
 def conflicts(

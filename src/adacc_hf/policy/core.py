@@ -201,7 +201,7 @@ class Policy:
                             f"group {name!r}: op {key} is mutated in place after it is read; it "
                             f"can only be recomputed, not {act}"
                         )
-                    if act.kind == "compress":
+                    if act.codec is not None:
                         try:
                             get_codec(act.codec, **dict(act.params))
                         except CodecError as e:

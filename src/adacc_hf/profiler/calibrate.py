@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..runtime.checkpoint import BlockRuntime
+from ..runtime.offload import HostStore
 from ..runtime.overhead import dispatch_overhead_ms
 from ..runtime.timing import sync, work_clock
 from ..runtime.trace import autocast_context, detached_input
@@ -124,13 +125,20 @@ def table_runtimes(
     specs: list[OpSpec],
     variants: Mapping[str, Variant | None],
 ) -> Iterator[dict[str, BlockRuntime | None]]:
-    """A `BlockRuntime` on `block` per action table (None: the plain block), removed on exit."""
+    """A `BlockRuntime` on `block` per action table (None: the plain block), removed on exit;
+    tables that offload share one host store."""
     runtimes = {
         n: BlockRuntime(block, path, group, GroupPolicy(specs, [v]), v, set())
         if v is not None
         else None
         for n, v in variants.items()
     }
+    if any(v is not None and v.offloads for v in variants.values()):
+        param = next(block.parameters(), None)
+        host = HostStore(param.device if param is not None else "cpu")
+        for rt in runtimes.values():
+            if rt is not None:
+                rt.host = host
     try:
         yield runtimes
     finally:

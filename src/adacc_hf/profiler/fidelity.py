@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..codecs import get_codec
-from ..policy.consistency import keeps_statistics
+from ..policy.consistency import keeps_statistics, lossy
 from ..runtime.trace import autocast_context, detached_input
 from ..schema import Action, OpProfile, Profile, Variant, codec_can_pay
 from .calibrate import table_runtimes
@@ -156,12 +156,7 @@ def policy_block_error(
         used = [
             v
             for v in g.variants
-            if v.count
-            and v.checkpoint
-            and any(
-                a.kind == "compress" and not get_codec(a.codec, **dict(a.params)).lossless
-                for a in v.actions.values()
-            )
+            if v.count and v.checkpoint and any(lossy(a) for a in v.actions.values())
         ]
         if used:
             worst = max(worst, *block_error(probe, used, autocast))

@@ -11,6 +11,7 @@ from ..errors import AdaccError, AlreadyAppliedError
 from ..policy import Policy
 from .checkpoint import _COMPILE_MSG, BlockRuntime
 from .head import HeadPatch
+from .offload import HostStore
 
 _ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
 _HANDLE_ATTR = "_adacc_handle"
@@ -19,9 +20,11 @@ _HANDLE_ATTR = "_adacc_handle"
 class AdaccHandle:
     """What `apply_adacc` did to one model; `remove()` (or leaving the `with` block) restores it."""
 
-    def __init__(self, model: nn.Module, policy: Policy) -> None:
+    def __init__(self, model: nn.Module, policy: Policy, host_cap: int | None = None) -> None:
         self.model = model
         self.policy = policy
+        self.host_cap = host_cap
+        self.host: HostStore | None = None  # made once a policy offloads anything
         self.runtimes: dict[str, BlockRuntime] = {}
         self._saved: list[tuple[nn.Module, dict[str, Any]]] = []
         self.head: HeadPatch | None = None  # the chunked LM head, when the policy asks for it
@@ -46,6 +49,7 @@ class AdaccHandle:
                 block.gradient_checkpointing = True
                 block._gradient_checkpointing_func = rt
         self._set_head(self.policy.head)
+        self._set_host(self.policy)
         setattr(self.model, _HANDLE_ATTR, self)
         self.active = True
 
@@ -83,11 +87,24 @@ class AdaccHandle:
                 if variant.checkpoint:
                     self.runtimes[path].set_variant(variant, gp)
             self._set_head(policy.head)
+            self._set_host(policy)
             self.policy = policy
             return
         self.remove()
         self.policy = policy
         self._install()
+
+    def _set_host(self, policy: Policy) -> None:
+        """The host store offloading blocks park their tensors in (one per model, kept across
+        policy switches so its buffers are reused)."""
+        if self.host is None and any(
+            v.offloads for gp in policy.groups.values() for v in gp.variants
+        ):
+            param = next(self.model.parameters(), None)
+            device = param.device if param is not None else "cpu"
+            self.host = HostStore(device, self.host_cap)
+        for rt in self.runtimes.values():
+            rt.host = self.host
 
     def _set_head(self, head: str) -> None:
         """Install or remove the chunked LM head (`runtime.head`) to match `head`."""
@@ -145,8 +162,11 @@ def _compiled(model: nn.Module) -> bool:
     return hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
 
 
-def apply_adacc(model: nn.Module, policy: Policy) -> AdaccHandle:
+def apply_adacc(model: nn.Module, policy: Policy, host_cap: int | None = None) -> AdaccHandle:
     """Make every transformer block of `model` run `policy`. Returns a handle to undo it.
+
+    `host_cap`: the most bytes of host memory offloaded tensors may hold (None: half the host
+    memory available when the first offloading policy is installed; `runtime.offload`).
 
     Works on plain transformers models and on PEFT-wrapped ones; patches only this instance.
     A compiled model (``torch.compile``) is refused: see docs/compile.md.
@@ -176,6 +196,6 @@ def apply_adacc(model: nn.Module, policy: Policy) -> AdaccHandle:
                     "disable() before transformers 5.23) and leave TrainingArguments."
                     "gradient_checkpointing off before applying adacc"
                 )
-    handle = AdaccHandle(base, policy)
+    handle = AdaccHandle(base, policy, host_cap)
     handle._install()
     return handle

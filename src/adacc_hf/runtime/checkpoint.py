@@ -5,7 +5,9 @@ One mechanism: transformers' per-layer checkpoint hook (`GradientCheckpointingLa
 runs it exactly as transformers' full checkpointing does (no dispatch modes at all). Otherwise two
 dispatch modes (`modes.py`) run beside it: forward keeps the output of every op the policy retains
 (as is) or compresses (encoded); backward's recompute hands kept outputs back (decoded) instead of
-running those ops, and runs every other op again.
+running those ops, and runs every other op again. What the policy offloads (ops, and the block's
+input: what the checkpoint holds to start its recompute from) is parked in host memory in between
+(`offload.HostStore`, one frame per block forward).
 
 Both modes walk the block's slot table (`slots.py`): position -> action, built once per (policy
 op list, variant, call signature) and kept across policy switches (per-bucket plans), at most
@@ -14,6 +16,7 @@ op list, variant, call signature) and kept across policy switches (per-bucket pl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -27,6 +30,7 @@ from ..codecs import Codec, get_codec
 from ..errors import AdaccError
 from ..schema import Action, GroupPolicy, Variant
 from .modes import _Run
+from .offload import Frame, HostStore
 from .peak import AllocationTracker
 from .slots import SlotTable, call_signature, spec_signature
 
@@ -79,6 +83,7 @@ class BlockRuntime:
         self._spec_ids: dict[tuple, int] = {}  # `spec_signature` -> a small id for table keys
         self._skey = 0
         self._unstable: set[tuple] = set()  # signatures whose op sequence changed in a bucket
+        self.host: HostStore | None = None  # set by apply where a policy offloads anything
         self.set_variant(variant, gp)
 
     def set_variant(self, variant: Variant, gp: GroupPolicy | None = None) -> None:
@@ -92,6 +97,8 @@ class BlockRuntime:
         self.actions: dict[str, Action] = dict(variant.actions)
         self._vkey = tuple(sorted((k, a) for k, a in self.actions.items() if a.kind != "recompute"))
         self.keeps_any = bool(self._vkey)
+        self.offload_input = variant.offload_input
+        self.offloads = variant.offloads
 
     def codec(self, action: Action) -> Codec:
         c = self._codecs.get(action)
@@ -110,6 +117,37 @@ class BlockRuntime:
     def __call__(self, fn, *args):
         if _under_compile(self.root):
             raise AdaccError(_COMPILE_MSG)
+        if not self.offloads or not torch.is_grad_enabled():
+            return self._run(fn, args, None)
+        if self.host is None:
+            raise AdaccError(f"block {self.path}: its policy offloads but no host store was set")
+        frame = self.host.frame()
+        if not self.offload_input:
+            return self._run(fn, args, frame)
+        with self._parked_input(frame, args):
+            return self._run(fn, args, frame)
+
+    def _parked_input(self, frame: Frame, args: tuple) -> Any:
+        """Park the block's input (its first positional tensor: the hidden states) where the
+        checkpoint saves it for the recompute; other inputs (masks, position embeddings, shared
+        by every block) stay where they are."""
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None or not x.is_floating_point():
+            return contextlib.nullcontext()
+        host = self.host
+        target = (x.data_ptr(), x.shape, x.dtype)
+
+        def pack(t: torch.Tensor) -> Any:
+            if (t.data_ptr(), t.shape, t.dtype) != target:
+                return t
+            return host.park(frame, t.detach())
+
+        def unpack(p: Any) -> torch.Tensor:  # autograd restores the input's grad metadata
+            return host.fetch(frame, p)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _run(self, fn, args: tuple, frame: Frame | None):
         tracking = self.tracker is not None
         sig: tuple | None = None
         table = None
@@ -122,7 +160,7 @@ class BlockRuntime:
             # nothing to keep: exactly transformers' full checkpointing, no dispatch modes
             self.last_nbytes, self.last_bytes = 0, {}
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
-        run = _Run(self, table)
+        run = _Run(self, table, frame)
         out = checkpoint(
             fn, *args, use_reentrant=False, context_fn=run.contexts, preserve_rng_state=True
         )

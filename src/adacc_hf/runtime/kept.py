@@ -4,7 +4,7 @@ the output back.
 An `Entry` holds an op's outputs raw (retain), encoded (compress: the main output with the slot's
 codec, bool outputs bit-packed, small statistics such as layer norm's mean and rstd exact) or,
 for ``native_dropout``, only its bit-packed mask (replay rebuilds the output from the input and
-the mask, bit for bit). Raw tensors remember their version counter: a kept output mutated in
+the mask, bit for bit); an offloaded slot parks all of it in host memory (`offload`) until replay. Raw tensors remember their version counter: a kept output mutated in
 place afterwards is an error, never a silent wrong gradient. Decoded outputs get the strides the
 op's output had, so the ops after them take the same paths as in forward.
 """
@@ -17,6 +17,7 @@ import torch
 
 from ..codecs import Codec, Encoded, get_codec
 from ..errors import PolicyError
+from .offload import Frame, fetch_tree, park_tree
 from .ops import detach_for_cache, mask_of
 from .slots import MASK_ONLY, RAW, Slot
 
@@ -26,7 +27,7 @@ _BITPACK = get_codec("bitpack")
 class Entry:
     """A kept op output: raw, encoded, or only its mask; plus what replay needs."""
 
-    __slots__ = ("enc", "nbytes", "rng", "slot", "strides", "value", "versions")
+    __slots__ = ("enc", "frame", "nbytes", "rng", "slot", "strides", "value", "versions")
 
     def __init__(self, slot: Slot) -> None:
         self.slot = slot
@@ -37,6 +38,7 @@ class Entry:
         self.rng: list[Any] = []
         self.versions: list[tuple[torch.Tensor, int]] = []  # raw tensors: no later mutation
         self.nbytes = 0
+        self.frame: Frame | None = None  # where an offloaded entry's tensors are parked
 
 
 def _outputs(out: Any) -> tuple | list:
@@ -67,12 +69,18 @@ def side_nbytes(out: Any) -> int:
 
 def keep(rt: Any, slot: Slot, out: Any) -> Entry:
     """Snapshot ``out`` the way ``slot`` says: raw, encoded (the main output with the slot's
-    codec, bool outputs bit-packed, small statistics exact), or only its mask."""
+    codec, bool outputs bit-packed, small statistics exact), or only its mask (an offloaded
+    slot's snapshot then goes to `park`)."""
     e = Entry(slot)
     if slot.store == MASK_ONLY:
         e.enc = [rt.bitpack.encode(mask_of(out))]
         e.nbytes = e.enc[0].nbytes()
-        return e
+    else:
+        _snapshot(rt, slot, out, e)
+    return e
+
+
+def _snapshot(rt: Any, slot: Slot, out: Any, e: Entry) -> None:
     packed = slot.store != RAW
     for i, t in enumerate(_outputs(out)):
         codec = packed_codec(i, t, slot.codec, rt.bitpack) if packed else None
@@ -90,12 +98,47 @@ def keep(rt: Any, slot: Slot, out: Any) -> Entry:
         if isinstance(v, torch.Tensor):
             e.versions.append((v, v._version))
             e.nbytes += v.numel() * v.element_size()
-    return e
+
+
+def park(host: Any, frame: Frame, e: Entry) -> None:
+    """Move an entry's tensors to host memory in `frame` (a copy of each, taken now: no version
+    to check); ``nbytes`` is then what stays on the device (what the host cap refused)."""
+    e.versions = []
+    e.value = [park_tree(host, frame, v) for v in e.value]
+    e.enc = [park_tree(host, frame, c) for c in e.enc]
+    e.nbytes = sum(_device_nbytes(v) for v in e.value) + sum(
+        _device_nbytes(c) for c in e.enc if c is not None
+    )
+    e.frame = frame
+
+
+def _device_nbytes(v: Any) -> int:
+    """Bytes of `v` still on the device after parking (tensors the host cap refused)."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, Encoded):
+        held = [*v.tensors.values(), *v.meta.values()]
+        return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
+    return 0
+
+
+def _fetch(host: Any, e: Entry, discard: bool = False) -> None:
+    e.value = [fetch_tree(host, e.frame, v, discard) for v in e.value]
+    e.enc = [fetch_tree(host, e.frame, c, discard) for c in e.enc]
+
+
+def release(rt: Any, e: Entry) -> None:
+    """A dropped entry gives its parked tensors' host buffers back (nothing comes back)."""
+    if e.frame is not None:
+        _fetch(rt.host, e, discard=True)
+        e.frame = None
 
 
 def unpack(rt: Any, e: Entry, args: tuple) -> Any:
     """The op's output rebuilt from a kept entry (once, in replay)."""
     slot = e.slot
+    if e.frame is not None:
+        _fetch(rt.host, e)
     if slot.random and e.rng and e.rng[0] is not None:
         gen, state = e.rng[0]
         gen.set_state(state)  # as forward left it after this op

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .kept import Entry, keep, unpack
+from .kept import Entry, keep, park, release, unpack
 from .ops import (
     IGNORED,
     KEYED,
@@ -43,9 +43,10 @@ from .slots import Slot, SlotTable, build_table, make_slot, matches, observe
 class _Run:
     """One checkpointed forward of one block: its kept outputs, by slot position."""
 
-    def __init__(self, rt: Any, table: SlotTable | None) -> None:
+    def __init__(self, rt: Any, table: SlotTable | None, frame: Any = None) -> None:
         self.rt = rt  # the block's `checkpoint.BlockRuntime`
         self.table = table
+        self.frame = frame  # where offloaded outputs are parked (`offload.Frame`; None: none)
         self.store: dict[int, Entry] = {}
         self.sizes: dict[int, tuple[str, int]] = {}  # position -> (key, bytes), outlives replay
         self.nbytes = 0
@@ -58,7 +59,9 @@ class _Run:
 
     def drop(self, keep=lambda e: False) -> None:
         for pos in [p for p, e in self.store.items() if not keep(e)]:
-            self.nbytes -= self.store.pop(pos).nbytes
+            e = self.store.pop(pos)
+            release(self.rt, e)
+            self.nbytes -= e.nbytes
             del self.sizes[pos]
 
     def misaligned(self, detail: str) -> None:
@@ -152,11 +155,13 @@ class _KeepMode(_FastMode):
     def _store(self, pos: int, slot: Slot, out: Any, rng: list) -> None:
         e = keep(self.run.rt, slot, out)
         e.rng = rng
+        if self.tracker is not None:
+            self.tracker.observe(self.run.rt.group, slot.key, out, e.enc[0] if e.enc else None)
+        if slot.offload and self.run.frame is not None:
+            park(self.run.rt.host, self.run.frame, e)
         self.run.store[pos] = e
         self.run.sizes[pos] = (slot.key, e.nbytes)
         self.run.nbytes += e.nbytes
-        if self.tracker is not None:
-            self.tracker.observe(self.run.rt.group, slot.key, out, e.enc[0] if e.enc else None)
 
     def _filled(self, func, args, kwargs) -> None:
         """An in-place op wrote a kept tensor before its first use: note the generator state
@@ -232,6 +237,11 @@ class _ReplayMode(_FastMode):
         self.run = run
         self.pos = 0
         self.skip: dict[int, list] = {}
+
+    def __enter__(self):
+        if self.run.frame is not None:  # stage what it parked, prefetch the block before it
+            self.run.rt.host.begin_backward(self.run.frame)
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.run.store or self.skip:  # else nothing is left to hand back or skip

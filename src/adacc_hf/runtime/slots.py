@@ -54,6 +54,7 @@ class Slot:
     codec: Codec | None = None
     fill: bool = False  # the output is completed by in-place RNG fills before its first read
     random: bool = False  # the op draws from an RNG: replay restores the state after it
+    offload: bool = False  # kept in host memory until backward (`offload.HostStore`)
     single: bool = True  # the op returns one value (else a tuple)
 
     def __post_init__(self) -> None:
@@ -136,7 +137,8 @@ def make_slot(
     if action is None or action.kind == "recompute" or not spec.cacheable:
         return slot
     slot.action = action
-    if action.kind == "compress":
+    slot.offload = action.offloaded
+    if action.codec is not None:
         slot.codec = codec(action)
         slot.store = MASK_ONLY if (func is NATIVE_DROPOUT and spec.mask) else PACKED
     return slot

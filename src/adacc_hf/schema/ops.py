@@ -77,13 +77,15 @@ MIN_COMPRESS_NUMEL = 256
 
 
 # ------------------------------------------------------------------------------------ actions
-ActionKind = Literal["retain", "recompute", "compress"]
-ACTION_KINDS: tuple[str, ...] = ("retain", "recompute", "compress")
+ActionKind = Literal["retain", "recompute", "compress", "offload"]
+ACTION_KINDS: tuple[str, ...] = ("retain", "recompute", "compress", "offload")
 
 
 @dataclass(frozen=True)
 class Action:
-    """What happens to one op's output: ``retain``, ``recompute`` or ``compress`` with a codec."""
+    """What happens to one op's output: ``retain``, ``recompute``, ``compress`` with a codec, or
+    ``offload`` (to host memory until backward) as it is or encoded with a codec first
+    (``offload:<codec>``)."""
 
     kind: ActionKind
     codec: str | None = None
@@ -92,8 +94,19 @@ class Action:
     def __post_init__(self) -> None:
         if self.kind not in ACTION_KINDS:
             raise PolicyError(f"unknown action {self.kind!r}; use one of {', '.join(ACTION_KINDS)}")
-        if (self.kind == "compress") != (self.codec is not None):
-            raise PolicyError("a 'compress' action needs a codec, and only 'compress' takes one")
+        if self.kind == "compress" and self.codec is None:
+            raise PolicyError("a 'compress' action needs a codec")
+        if self.kind in ("retain", "recompute") and self.codec is not None:
+            raise PolicyError(f"a {self.kind!r} action takes no codec; use 'compress' or 'offload'")
+
+    @property
+    def keeps(self) -> bool:
+        """The output is kept for backward (not recomputed)."""
+        return self.kind != "recompute"
+
+    @property
+    def offloaded(self) -> bool:
+        return self.kind == "offload"
 
     @classmethod
     def retain(cls) -> Action:
@@ -107,10 +120,14 @@ class Action:
     def compress(cls, codec: str, **params: Any) -> Action:
         return cls("compress", codec, tuple(sorted(params.items())))
 
+    @classmethod
+    def offload(cls, codec: str | None = None, **params: Any) -> Action:
+        return cls("offload", codec, tuple(sorted(params.items())))
+
     def to_json(self) -> str | dict[str, Any]:
-        if self.kind != "compress":
+        if self.codec is None:
             return self.kind
-        return {"compress": self.codec, "params": dict(self.params)}
+        return {self.kind: self.codec, "params": dict(self.params)}
 
     @classmethod
     def from_json(cls, obj: Any) -> Action:
@@ -118,21 +135,23 @@ class Action:
             if obj == "compress":
                 raise PolicyError("a 'compress' action must name its codec: {'compress': NAME}")
             return cls(obj)  # type: ignore[arg-type]
-        if isinstance(obj, dict) and isinstance(obj.get("compress"), str):
-            params = obj.get("params", {})
-            if not isinstance(params, dict):
-                raise PolicyError(f"codec params must be an object, got {params!r}")
-            return cls.compress(obj["compress"], **params)
+        if isinstance(obj, dict):
+            kind = next((k for k in ("compress", "offload") if isinstance(obj.get(k), str)), None)
+            if kind is not None:
+                params = obj.get("params", {})
+                if not isinstance(params, dict):
+                    raise PolicyError(f"codec params must be an object, got {params!r}")
+                return cls(kind, obj[kind], tuple(sorted(params.items())))  # type: ignore[arg-type]
         raise PolicyError(
-            f"cannot read action {obj!r}: expected 'retain', 'recompute' or "
-            "{'compress': CODEC, 'params': {...}}"
+            f"cannot read action {obj!r}: expected 'retain', 'recompute', 'offload', "
+            "{'compress': CODEC, 'params': {...}} or {'offload': CODEC, 'params': {...}}"
         )
 
     def __str__(self) -> str:
-        if self.kind != "compress":
+        if self.codec is None:
             return self.kind
         extra = ",".join(f"{k}={v}" for k, v in self.params)
-        return f"compress:{self.codec}" + (f"({extra})" if extra else "")
+        return f"{self.kind}:{self.codec}" + (f"({extra})" if extra else "")
 
 
 RECOMPUTE = Action("recompute")
@@ -246,24 +265,40 @@ class Variant:
     count: int
     checkpoint: bool
     actions: dict[str, Action] = field(default_factory=dict)
+    # a checkpointed block's input (what its recompute starts from) held in host memory, not on
+    # the device, from its forward to its backward (`runtime.offload`)
+    offload_input: bool = False
 
     def action(self, key: str) -> Action:
         return self.actions.get(key, RECOMPUTE)
 
+    @property
+    def offloads(self) -> bool:
+        """Whether the block moves anything to host memory."""
+        return self.checkpoint and (
+            self.offload_input or any(a.offloaded for a in self.actions.values())
+        )
+
     def fingerprint(self) -> str:
         """A short hash of the action table (not the count): variants acting alike share it."""
-        body = json.dumps(
-            [self.checkpoint, {k: a.to_json() for k, a in sorted(self.actions.items())}],
-            sort_keys=True,
-        )
+        table: list[Any] = [
+            self.checkpoint,
+            {k: a.to_json() for k, a in sorted(self.actions.items())},
+        ]
+        if self.offload_input:
+            table.append("offload_input")
+        body = json.dumps(table, sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:12]
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "count": self.count,
             "checkpoint": self.checkpoint,
             "actions": {k: a.to_json() for k, a in sorted(self.actions.items())},
         }
+        if self.offload_input:
+            d["offload_input"] = True
+        return d
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Variant:
@@ -271,6 +306,7 @@ class Variant:
             count=int(obj["count"]),
             checkpoint=bool(obj["checkpoint"]),
             actions={str(k): Action.from_json(v) for k, v in obj.get("actions", {}).items()},
+            offload_input=bool(obj.get("offload_input", False)),
         )
 
 

@@ -136,6 +136,29 @@ class HeadCost:
 
 
 @dataclass
+class OffloadLink:
+    """The link offloaded tensors cross between device and host memory (`runtime.offload`):
+    measured once by the profiler (pinned copies each way) or given.
+
+    ``overlap``: copies run on a side stream beside the blocks' compute (CUDA), so a block's
+    copies cost time only where they outlast its forward (device to host) or its backward (host
+    to device back); else (the CPU stand-in) they run in line and cost all their time.
+    ``host_cap_nbytes``: the host memory offload may hold (0: no cap)."""
+
+    d2h_gbps: float  # device -> host, 1e9 bytes per second
+    h2d_gbps: float  # host -> device
+    overlap: bool
+    launch_ms: float = 0.0  # each copy's fixed cost (its launch and events)
+    host_cap_nbytes: int = 0
+
+    def d2h_ms(self, nbytes: int | float) -> float:
+        return nbytes / (self.d2h_gbps * 1e6)
+
+    def h2d_ms(self, nbytes: int | float) -> float:
+        return nbytes / (self.h2d_gbps * 1e6)
+
+
+@dataclass
 class Profile:
     """Everything the solver needs, measured on one device, dtype and micro-batch shape.
 
@@ -179,6 +202,8 @@ class Profile:
     # the two buckets this profile's memory was interpolated between (`profiler.derive`), tiny
     # first; empty: measured
     memory_from: list[str] = field(default_factory=list)
+    # the device <-> host link, where offload is planned (None: the solver never offloads)
+    offload: OffloadLink | None = None
     format_version: int = PROFILE_FORMAT
 
     def to_json(self) -> str:
@@ -211,6 +236,8 @@ class Profile:
         if isinstance(d.get("timeline"), dict):
             d["timeline"] = Timeline(**d["timeline"])
         d["heads"] = {k: HeadCost(**v) for k, v in d.get("heads", {}).items()}
+        if isinstance(d.get("offload"), dict):
+            d["offload"] = OffloadLink(**d["offload"])
         return cls(**d, groups=groups)
 
     @property

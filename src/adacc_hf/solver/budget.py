@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BudgetError
+from ..runtime.offload import host_available
 from ..units import GiB, fmt_bytes
 
 _UNITS = {
@@ -81,21 +82,7 @@ def device_memory(device: torch.device | str | None = None) -> tuple[int, int]:
             ) from None
         return total, free
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(total), _host_available(int(total))
-
-
-def _host_available(total: int) -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):
-        return total
+    return int(total), host_available(int(total))
 
 
 def resolve_budget(

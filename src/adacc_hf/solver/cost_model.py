@@ -5,10 +5,13 @@ its LP from the same per-op choices (`choices_for`), checks its integer solution
 and the session, benchmarks and tests ask `predict` about any policy (solved or built by a rule).
 
 Per op of a checkpointed block: retain (0 ms, ``retain_nbytes``), compress with codec c (encode +
-decode ms, encoded bytes), recompute (``fwd_ms``, 0 bytes). Per block group: a checkpointed block
-holds its input plus what its ops keep and pays ``fixed_ms`` for ops that always rerun, plus
+decode ms, encoded bytes), recompute (``fwd_ms``, 0 bytes), and where the profile has a host link
+(``Profile.offload``) offload, as it is or encoded (0 bytes on the device; its bytes in host
+memory; the copies' time, `copy_ms`). Per block group: a checkpointed block holds its input
+(unless offloaded) plus what its ops keep and pays ``fixed_ms`` for ops that always rerun, plus
 ``dispatch_ms`` (the runtime's dispatch modes, measured) if it keeps any op; a plain block holds
-``full_nbytes``. The step's peak is `step.step_peak` over those blocks. Once a solved policy's
+``full_nbytes``. Copies on a side stream (``OffloadLink.overlap``) cost a block only what
+outlasts its forward (out) or backward (back): `exposed_ms`. The step's peak is `step.step_peak` over those blocks. Once a solved policy's
 action tables have been timed whole on the profiled block (``Profile.variant_ms``), `predict`
 adds those times instead of the sums.
 
@@ -30,6 +33,7 @@ from ..schema import (
     HEADS,
     Action,
     GroupProfile,
+    OffloadLink,
     OpProfile,
     Profile,
     Variant,
@@ -74,18 +78,23 @@ def grad_error_of(profile: Profile, group: str, variant: Variant) -> float:
     total = 0.0
     for key, act in variant.actions.items():
         op = ops.get(key)
-        if act.kind == "compress" and op is not None and act.codec in op.codecs:
+        if act.codec is not None and op is not None and act.codec in op.codecs:
             total += (op.codecs[act.codec].grad_error or 0.0) ** 2
     return math.sqrt(total)
 
 
 @dataclass(frozen=True)
 class Choice:
-    label: str  # "retain", "compress:<codec>" or "recompute"
+    label: str  # "retain", "compress:<codec>", "offload", "offload:<codec>" or "recompute"
     action: Action
     ms: float
-    nbytes: int
+    nbytes: int  # held on the device from the block's forward to its backward
     grad_error: float = 0.0  # the block's gradient error with only this op so (`fidelity`)
+    host_nbytes: int = 0  # offload: held in host memory (and staged back in backward)
+
+
+#: The block input's offload in a group's counts (``counts[group][INPUT]``): not an op.
+INPUT = "<input>"
 
 
 @dataclass
@@ -95,21 +104,58 @@ class GroupModel:
     ops: list[tuple[OpProfile, list[Choice]]]  # cacheable ops, choices in canonical order
     # a block's gradient error bound (errors of its lossy ops added in quadrature); None: none
     max_grad_error: float | None = None
+    link: OffloadLink | None = None  # where offload may be chosen (its input's too)
+
+
+def copy_ms(link: OffloadLink, nbytes: int) -> float:
+    """What offloading `nbytes` costs a block in line: two launches, and where the copies do not
+    overlap compute (the CPU stand-in) their whole time out and back."""
+    if link.overlap:
+        return 2 * link.launch_ms
+    return 2 * link.launch_ms + link.d2h_ms(nbytes) + link.h2d_ms(nbytes)
+
+
+def overlap_windows(g: GroupProfile) -> tuple[float, float]:
+    """(forward, backward) ms a block of `g` runs beside its side-stream copies: its forward, and
+    its backward (about twice its forward; its recompute, when it has one, not counted)."""
+    return g.block_fwd_ms, 2 * g.block_fwd_ms
+
+
+def exposed_ms(link: OffloadLink | None, g: GroupProfile, nbytes: int, blocks: float = 1) -> float:
+    """Time `blocks` checkpointed blocks of `g` wait for side-stream copies of `nbytes` in all
+    (spread over them): what outlasts their forwards going out and their backwards coming back."""
+    if link is None or not link.overlap or not nbytes:
+        return 0.0
+    fwd, bwd = overlap_windows(g)
+    return max(0.0, link.d2h_ms(nbytes) - blocks * fwd) + max(
+        0.0, link.h2d_ms(nbytes) - blocks * bwd
+    )
 
 
 def choices_for(
-    op: OpProfile, codecs: set[str] | None, max_rel_error: float | None
+    op: OpProfile,
+    codecs: set[str] | None,
+    max_rel_error: float | None,
+    link: OffloadLink | None = None,
 ) -> list[Choice]:
-    """The op's actions (retain, codecs by name, recompute) minus the dominated ones (recompute
-    always stays: a block that keeps nothing does not pay the runtime's dispatch overhead); only
-    retain for `ALWAYS_RETAIN` layer types (MoE routers).
+    """The op's actions (retain, codecs by name, offload as it is and encoded where `link` is
+    given, recompute) minus the dominated ones (recompute always stays: a block that keeps
+    nothing does not pay the runtime's dispatch overhead); only retain for `ALWAYS_RETAIN` layer
+    types (MoE routers).
 
-    The block's own output is not retained: that would skip one op's recompute but keep the
-    output alive until the block's backward, where full recomputation has freed it."""
+    The block's own output is neither retained nor offloaded: that would skip one op's recompute
+    but keep the output alive (or staged) until the block's backward, where full recomputation
+    has freed it."""
     kept = op.retain_nbytes + op.rng_nbytes  # with the generator states replay restores
     cands = [] if op.block_output else [Choice("retain", Action.retain(), 0.0, kept)]
     if op.layer_type in ALWAYS_RETAIN:
         return cands
+    if link is not None and not op.block_output:
+        cands.append(
+            Choice(
+                "offload", Action.offload(), copy_ms(link, op.nbytes), op.rng_nbytes, 0.0, op.nbytes
+            )
+        )
     statistic = keeps_statistics(op)
     for name in sorted(op.codecs):
         cp = op.codecs[name]
@@ -121,15 +167,28 @@ def choices_for(
             continue  # the block failed with it (`profiler.fidelity`): never usable
         if max_rel_error is not None and not cp.rel_error <= max_rel_error:
             continue
+        packed = cp.nbytes + op.side_nbytes  # its other outputs stay exact
+        err = cp.grad_error or 0.0
         cands.append(
             Choice(
                 f"compress:{name}",
                 Action.compress(name, **cp.params),
                 cp.ms,
-                cp.nbytes + op.side_nbytes + op.rng_nbytes,  # its other outputs stay exact
-                cp.grad_error or 0.0,
+                packed + op.rng_nbytes,
+                err,
             )
         )
+        if link is not None and not op.block_output:
+            cands.append(
+                Choice(
+                    f"offload:{name}",
+                    Action.offload(name, **cp.params),
+                    cp.ms + copy_ms(link, packed),
+                    op.rng_nbytes,
+                    err,
+                    packed,
+                )
+            )
     cands.append(Choice("recompute", Action.recompute(), op.fwd_ms, 0))
 
     def beaten(i: int) -> bool:
@@ -138,17 +197,22 @@ def choices_for(
             return False
         for j, b in enumerate(cands):
             no_worse = j != i and b.ms <= a.ms and b.nbytes <= a.nbytes
-            no_worse = no_worse and b.grad_error <= a.grad_error
+            no_worse = no_worse and b.grad_error <= a.grad_error and b.host_nbytes <= a.host_nbytes
             if no_worse and (
-                b.ms < a.ms or b.nbytes < a.nbytes or b.grad_error < a.grad_error or j < i
+                b.ms < a.ms
+                or b.nbytes < a.nbytes
+                or b.grad_error < a.grad_error
+                or b.host_nbytes < a.host_nbytes
+                or j < i
             ):
                 return True
         return False
 
-    # Most bytes first (retain ... recompute): realisation hands the first actions to the last
-    # checkpointed blocks, so a group's blocks hold less the earlier they run.
+    # Most bytes first (retain ... offload ... recompute): realisation hands the first actions to
+    # the last checkpointed blocks, so a group's blocks hold less the earlier they run.
     return sorted(
-        (c for i, c in enumerate(cands) if not beaten(i)), key=lambda c: (-c.nbytes, c.ms)
+        (c for i, c in enumerate(cands) if not beaten(i)),
+        key=lambda c: (-c.nbytes, -c.host_nbytes, c.ms),
     )
 
 
@@ -158,12 +222,14 @@ def group_models(
     max_rel_error: float | None,
     max_grad_error: float | None = None,
 ) -> list[GroupModel]:
+    link = profile.offload
     return [
         GroupModel(
             name,
             g,
-            [(op, choices_for(op, codecs, max_rel_error)) for op in g.ops if op.cacheable],
+            [(op, choices_for(op, codecs, max_rel_error, link)) for op in g.ops if op.cacheable],
             max_grad_error,
+            link,
         )
         for name, g in sorted(profile.groups.items())
     ]
@@ -174,12 +240,19 @@ def evaluate(
     k: dict[str, int],
     counts: dict[str, dict[str, dict]],
 ) -> tuple[int, float, int]:
-    """(bytes the blocks hold, added ms, largest block transient) of integer counts, exactly."""
-    held, ms, transient = 0, [], 0
+    """(bytes the blocks hold, added ms, largest block transient) of integer counts, exactly; the
+    transient with what a block's backward may have staged back beyond full recomputation
+    (`staging`)."""
+    held, ms, transient, staged = 0, [], 0, 0
     for gm in groups:
         g, kg = gm.prof, k[gm.name]
         held += (g.num_blocks - kg) * g.full_nbytes + kg * checkpointed_nbytes(g)
         ms.append(kg * g.fixed_ms)
+        inputs = counts[gm.name].get(INPUT, {}).get("offload", 0)
+        held -= inputs * g.input_nbytes
+        moved = inputs * g.input_nbytes
+        if gm.link is not None:
+            ms.append(inputs * copy_ms(gm.link, g.input_nbytes))
         keeping = 0  # blocks that keep any op: realisation puts kept actions first
         for op, choices in gm.ops:
             kept = 0
@@ -187,14 +260,35 @@ def evaluate(
                 y = counts[gm.name][op.key].get(c.label, 0)
                 held += y * c.nbytes
                 ms.append(y * c.ms)
+                moved += y * c.host_nbytes
                 kept += y if c.label != "recompute" else 0
             keeping = max(keeping, kept)
         ms.append(keeping * dispatch_ms(g))
+        ms.append(exposed_ms(gm.link, g, moved, kg))
         if kg:
             transient = max(transient, g.transient_nbytes)
         if kg < g.num_blocks:
             transient = max(transient, g.plain_transient_nbytes)
-    return held, math.fsum(ms), transient
+        staged = max(staged, staging(gm, counts[gm.name]))
+    return held, math.fsum(ms), transient + STAGED_BLOCKS * staged
+
+
+#: Blocks whose offloaded bytes may be on the device in one block's backward: its own, back from
+#: its start (the step model's unmeasured bound), and the offloading block before it, prefetched
+#: (`runtime.offload`).
+STAGED_BLOCKS = 2
+
+
+def staging(gm: GroupModel, counts: dict[str, dict[str, int]]) -> int:
+    """The most one block of the group may stage back under `counts`: every op some block
+    offloads (at its largest offloaded size) and the input, if some block offloads it."""
+    total = g_in = 0
+    if counts.get(INPUT, {}).get("offload", 0):
+        g_in = gm.prof.input_nbytes
+    for op, choices in gm.ops:
+        c = counts.get(op.key, {})
+        total += max((ch.host_nbytes for ch in choices if c.get(ch.label, 0)), default=0)
+    return total + g_in
 
 
 def min_budget(
@@ -317,6 +411,10 @@ def block_loads(
                 continue
             b, t = g.input_nbytes, [g.fixed_ms]
             kept = kept_saved = kept_shared = enc_ws = dec_ws = rng = 0
+            copies = []  # bytes of each offloaded op (and of the input), out and back
+            if v.offload_input:
+                b -= g.input_nbytes
+                copies.append(g.input_nbytes)
             if any(a.kind != "recompute" for a in v.actions.values()):
                 t.append(dispatch_ms(g))
             for op in g.ops:
@@ -329,25 +427,47 @@ def block_loads(
                     kept += op.retain_nbytes
                     kept_saved += op.retain_nbytes if op.saved else 0
                     kept_shared += op.shared_nbytes
-                elif act.kind == "recompute":
+                    continue
+                if act.kind == "recompute":
                     t.append(op.fwd_ms)
-                elif act.codec in op.codecs:
+                    continue
+                size = op.nbytes  # offloaded as it is
+                if act.codec in op.codecs:
                     cp = op.codecs[act.codec]
-                    b += cp.nbytes + op.side_nbytes
+                    size = cp.nbytes + op.side_nbytes
                     t.append(cp.ms)
                     enc_ws = max(enc_ws, cp.encode_workspace_nbytes)
                     dec_ws = max(dec_ws, cp.decode_workspace_nbytes)
-                else:
+                elif act.codec is not None:
                     codec = get_codec(act.codec, **dict(act.params))
-                    b += codec.predict_nbytes(op.shape, dtype_named(op.dtype)) + op.side_nbytes
+                    size = codec.predict_nbytes(op.shape, dtype_named(op.dtype)) + op.side_nbytes
                     unprofiled.append(f"{name}/{op.key}:{act.codec}")
+                if act.offloaded:
+                    copies.append(size)
+                else:
+                    b += size
+            parked = sum(copies)
+            if copies:
+                link = _link_of(profile, name)
+                t += [copy_ms(link, c) for c in copies] + [exposed_ms(link, g, parked)]
             key = variant_key(name, v)
-            load = BlockLoad(name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key, rng)
+            load = BlockLoad(
+                name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key, rng, parked
+            )
             blocks += [load] * v.count
             timed = profile.variant_ms.get(key) if measured_ms else None
             ms.append((math.fsum(t) if timed is None else timed) * v.count)
         loads[name] = blocks
     return loads, math.fsum(ms), sorted(set(unprofiled))
+
+
+def _link_of(profile: Profile, group: str) -> OffloadLink:
+    if profile.offload is None:
+        raise PolicyError(
+            f"group {group!r}: the policy offloads, but the profile has no host link to price it "
+            "(profile with offload on, or give Profile.offload)"
+        )
+    return profile.offload
 
 
 def predict(

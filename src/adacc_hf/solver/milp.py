@@ -13,7 +13,13 @@ compress with codec c (encode + decode ms, encoded bytes), recompute (``fwd_ms``
                K_g <= N_g z_g,   T >= transient_g z_g,   N_g - K_g <= N_g p_g,
                T >= plain_transient_g p_g
 
-(memory in MiB inside the LP). The caps come from the step model (`step`): what the budget leaves
+(memory in MiB inside the LP). Where the profile has a host link (``GroupModel.link``), offload
+and offload-with-a-codec are choices like the others (0 device bytes, host bytes), the integer
+``B_g <= K_g`` counts blocks whose input is offloaded (``- B_g input_g`` in ``H``), every byte
+offloaded counts against the host cap, and copies on a side stream add only what outlasts the
+blocks' compute: ``E_g >= moved_g / bandwidth - K_g window_g``, ``E_g >= 0``, each way (the
+bytes spread over the group's checkpointed blocks; `evaluate` prices the same). The caps come
+from the step model (`step`): what the budget leaves
 for held activations at the end of forward, and for them plus one block's backward transient at
 the last block's backward; `plan` checks each solution's whole step and moves the caps. ``V_g``
 counts the checkpointed blocks that pay the runtime's dispatch overhead (it keeps some op): with
@@ -41,7 +47,16 @@ import pulp
 from ..policy.consistency import keeps_statistics, lossy
 from ..schema import OpProfile
 from ..units import MiB
-from .cost_model import Choice, GroupModel, dispatch_ms, evaluate
+from .cost_model import (
+    INPUT,
+    STAGED_BLOCKS,
+    Choice,
+    GroupModel,
+    copy_ms,
+    dispatch_ms,
+    evaluate,
+    overlap_windows,
+)
 from .step import checkpointed_nbytes
 
 
@@ -100,7 +115,7 @@ def _classes(gm: GroupModel) -> list[tuple[list[OpProfile], list[Choice]]]:
     alone = _constrained(gm)
     by_key: dict[tuple, tuple[list[OpProfile], list[Choice]]] = {}
     for op, choices in gm.ops:
-        key = tuple((c.label, c.ms, c.nbytes, c.grad_error) for c in choices)
+        key = tuple((c.label, c.ms, c.nbytes, c.grad_error, c.host_nbytes) for c in choices)
         if op.key in alone:
             key = (op.key, *key)
         by_key.setdefault(key, ([], choices))[0].append(op)
@@ -190,6 +205,13 @@ def solve_lp(
     # T: the largest transient of a block's backward (checkpointed, or plain)
     any_transient = any(gm.prof.transient_nbytes or gm.prof.plain_transient_nbytes for gm in groups)
     t_var = _var(prob, "T", 0, None, pulp.LpContinuous) if any_transient else None
+    host: list[Any] = []  # MiB offloaded to host memory
+    b_vars: dict[str, Any] = {}
+    # S: STAGED_BLOCKS x the most a block may stage back (`cost_model.staging`)
+    s_var = None
+    if any(gm.link is not None for gm in groups):
+        s_var = _var(prob, "S", 0, None, pulp.LpContinuous)
+    link = next((gm.link for gm in groups if gm.link is not None), None)
     for gi, gm in enumerate(groups):
         g, n = gm.prof, gm.prof.num_blocks
         if n == 0:
@@ -211,6 +233,18 @@ def solve_lp(
             v = _var(prob, f"v{gi}", 0, n, pulp.LpContinuous)
             prob += v >= scale * k - n * (1 - w), f"dispatch_{gi}"
             objective.append(d_ms * v)
+        moved: list[Any] = []  # MiB this group offloads, out and back
+        stage: list[Any] = []  # MiB one block may stage back: per op offloaded anywhere
+        if gm.link is not None and g.input_nbytes:
+            b = _var(prob, f"B{gi}", 0, n if split_blocks else 1, pulp.LpInteger)
+            prob += b <= k, f"inputs_{gi}"
+            b_vars[gm.name] = (b, scale)
+            held.append(-g.input_nbytes / MiB * scale * b)
+            objective.append(copy_ms(gm.link, g.input_nbytes) * scale * b)
+            moved.append(g.input_nbytes / MiB * scale * b)
+            u = _var(prob, f"ub{gi}", 0, 1, pulp.LpBinary)
+            prob += b <= n * u, f"stage_input_{gi}"
+            stage.append(g.input_nbytes / MiB * u)
         for ci, (ops, choices) in enumerate(_classes(gm)):
             m = len(ops)
             hi = m * (n if split_blocks else 1)
@@ -223,10 +257,23 @@ def solve_lp(
                     objective.append(c.ms * scale * ys[c.label])
                 if c.nbytes:
                     held.append(c.nbytes / MiB * scale * ys[c.label])
+                if c.host_nbytes:
+                    moved.append(c.host_nbytes / MiB * scale * ys[c.label])
                 if w is not None and c.label != "recompute":
                     prob += ys[c.label] <= hi * w, f"keeps_{gi}_{ci}_{ai}"
+            offloads = [(ai, c) for ai, c in enumerate(choices) if c.host_nbytes]
+            if offloads:  # some block offloads the class: a block may stage all m of them
+                u = _var(prob, f"u{gi}_{ci}", 0, 1, pulp.LpBinary)
+                for ai, c in offloads:
+                    prob += ys[c.label] <= hi * u, f"stage_{gi}_{ci}_{ai}"
+                stage.append(m * max(c.host_nbytes for _, c in offloads) / MiB * u)
             prob += pulp.lpSum(ys.values()) == m * k, f"one_action_{gi}_{ci}"
             y_vars[gm.name].append((ops, choices, ys))
+        host += moved
+        if stage and s_var is not None:
+            prob += s_var >= STAGED_BLOCKS * pulp.lpSum(stage), f"staged_{gi}"
+        if moved and gm.link is not None and gm.link.overlap:
+            _exposure(prob, gi, gm, pulp.lpSum(moved), scale * k, objective)
         if gm.max_grad_error is not None:
             _error_bound(prob, gi, y_vars[gm.name], gm.max_grad_error, n if split_blocks else 1)
         singles = {ops[0].key: ys for ops, _, ys in y_vars[gm.name] if len(ops) == 1}
@@ -246,9 +293,12 @@ def solve_lp(
             prob += n - scale * k <= n * p, f"p_{gi}"
             prob += t_var >= g.plain_transient_nbytes / MiB * p, f"plain_transient_{gi}"
     held_expr = pulp.lpSum(held)
-    prob += pulp.lpSum(objective) + EPS_MIB_MS * held_expr
+    prob += pulp.lpSum(objective) + EPS_MIB_MS * (held_expr + pulp.lpSum(host))
     prob += held_expr <= caps.all_nbytes / MiB, "held"
-    prob += held_expr + (t_var if t_var is not None else 0) <= caps.blocks_nbytes / MiB, "backward"
+    if host and link is not None and link.host_cap_nbytes:
+        prob += pulp.lpSum(host) <= link.host_cap_nbytes / MiB, "host_cap"
+    backward = held_expr + (t_var if t_var is not None else 0) + (s_var if s_var is not None else 0)
+    prob += backward <= caps.blocks_nbytes / MiB, "backward"
 
     try:
         status = prob.solve(backend)
@@ -270,6 +320,9 @@ def solve_lp(
 
     ks = {gm.name: 0 for gm in groups}
     counts: dict[str, dict[str, dict[str, int]]] = {gm.name: {} for gm in groups}
+    for name, (b, scale) in b_vars.items():
+        if value(b):
+            counts[name][INPUT] = {"offload": value(b) * scale}
     for name, (k, scale) in k_vars.items():
         ks[name] = value(k) * scale
         for ops, choices, ys in y_vars[name]:
@@ -281,6 +334,20 @@ def solve_lp(
         for op, _ in gm.ops:
             counts[gm.name].setdefault(op.key, {})
     return ks, counts, "optimal" if sol != pulp.LpSolutionIntegerFeasible else "feasible"
+
+
+def _exposure(
+    prob: pulp.LpProblem, gi: int, gm: GroupModel, moved: Any, blocks: Any, objective: list
+) -> None:
+    """Side-stream copies cost what outlasts the group's checkpointed blocks' forwards (out) and
+    backwards (back): ``E >= moved / bandwidth - blocks window``, ``E >= 0``, each way."""
+    link = gm.link
+    assert link is not None
+    fwd, bwd = overlap_windows(gm.prof)
+    for way, per_mib, window in (("out", link.d2h_ms(MiB), fwd), ("back", link.h2d_ms(MiB), bwd)):
+        e = _var(prob, f"E{way}{gi}", 0, None, pulp.LpContinuous)
+        prob += e >= per_mib * moved - window * blocks, f"exposed_{way}_{gi}"
+        objective.append(e)
 
 
 class SolverFailure(Exception):
@@ -318,4 +385,7 @@ def check_counts(groups: list[GroupModel], ks: dict[str, int], counts: dict) -> 
             c = counts[gm.name][op.key]
             if sum(c.values()) != k or min(c.values(), default=0) < 0:
                 return f"group {gm.name}, op {op.key}: action counts {c} do not add up to {k}"
+        inputs = counts[gm.name].get(INPUT, {}).get("offload", 0)
+        if not 0 <= inputs <= k:
+            return f"group {gm.name}: {inputs} offloaded inputs of {k} checkpointed blocks"
     return ""

@@ -151,7 +151,7 @@ def _solve(
         else:
             ks, counts, status, policy, pred = found
         if status == "fallback":
-            ks, counts = full_recompute_counts(groups)
+            ks, counts = full_recompute_counts(groups, low.inputs_offloaded)
             policy, pred = realise(ks, counts)
             # At the floor (the budget within the search's tolerance of the least step peak) full
             # recomputation is the answer, not a failure: the MILP's linear caps only approximate
@@ -338,15 +338,21 @@ def least_memory_policy(
     accumulation: int = 1,
     head: str = "full",
 ) -> Policy:
-    """Full recomputation (router outputs retained): the policy holding the least, for a batch
-    the budget cannot hold, with the LM head whose step peaks lowest among `head`'s candidates;
-    its metadata holds the predicted numbers."""
+    """Full recomputation (router outputs retained; block inputs offloaded where the profile's
+    host link makes that the least): the policy holding the least, for a batch the budget cannot
+    hold, with the LM head whose step peaks lowest among `head`'s candidates; its metadata holds
+    the predicted numbers."""
     groups = group_models(profile, None, None)
-    policy = policy_from_counts(profile, groups, *full_recompute_counts(groups))
-    policy.head = min(
-        candidate_heads(profile, head),
-        key=lambda h: extreme_peaks(profile, static_nbytes, accumulation, h)[0].peak_nbytes,
+    low, policy_head = min(
+        (
+            (extreme_peaks(profile, static_nbytes, accumulation, h)[0], h)
+            for h in candidate_heads(profile, head)
+        ),
+        key=lambda e: e[0].peak_nbytes,
     )
+    counts = full_recompute_counts(groups, low.inputs_offloaded)
+    policy = policy_from_counts(profile, groups, *counts)
+    policy.head = policy_head
     pred = predict(profile, policy, static_nbytes, accumulation)
     policy.metadata = {
         "source": "least_memory",

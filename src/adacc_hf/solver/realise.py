@@ -3,9 +3,10 @@
 For a group with ``K`` checkpointed blocks and, per op, ``y[a]`` blocks applying action ``a``,
 block ``j < K`` applies the ``(K-1-j)``-th action in the order of the op's cumulative counts
 (retain, compress, recompute): the blocks that hold the most come last, so backward (which runs
-the blocks from the last) frees them first while gradients are still few. Runs of blocks with
-equal action tables share one variant, and the ``N - K`` blocks without checkpointing form the
-last one.
+the blocks from the last) frees them first while gradients are still few. The first ``B`` blocks
+(``counts[INPUT]["offload"]``) hold their inputs in host memory: theirs stay held longest. Runs
+of blocks with equal action tables share one variant, and the ``N - K`` blocks without
+checkpointing form the last one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from ..policy import Policy
 from ..policy.consistency import keeps_statistics, lossy
 from ..schema import ALWAYS_RETAIN, RECOMPUTE, GroupPolicy, OpProfile, Profile, Variant
-from .cost_model import Choice, GroupModel, Prediction
+from .cost_model import INPUT, Choice, GroupModel, Prediction
 
 
 @dataclass
@@ -41,11 +42,17 @@ class Solution:
     counts: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # g -> op -> a -> y
 
 
-def full_recompute_counts(groups: list[GroupModel]) -> tuple[dict[str, int], dict]:
+def full_recompute_counts(
+    groups: list[GroupModel], offload_inputs: bool = False
+) -> tuple[dict[str, int], dict]:
+    """Every block checkpointed and recomputed (`offload_inputs`: its input in host memory)."""
     ks = {gm.name: gm.prof.num_blocks for gm in groups}
     counts = {
         gm.name: {op.key: {_least(op): gm.prof.num_blocks} for op, _ in gm.ops} for gm in groups
     }
+    if offload_inputs:
+        for gm in groups:
+            counts[gm.name][INPUT] = {"offload": gm.prof.num_blocks}
     return ks, counts
 
 
@@ -72,11 +79,12 @@ def _layouts(gm: GroupModel) -> list[list[Choice]]:
 
 def variants(gm: GroupModel, k: int, counts: dict[str, dict[str, int]]) -> list[Variant]:
     """Block j < K applies, per op, the (K-1-j)-th action in the order of its cumulative counts
-    (`_layouts`)."""
+    (`_layouts`); blocks j < B offload their inputs."""
     blocks: list[tuple[str, ...]] = []
     layouts = _layouts(gm)
+    inputs = counts.get(INPUT, {}).get("offload", 0)
     for j in range(k):
-        labels = []
+        labels = [INPUT] if j < inputs else []
         for (op, _), choices in zip(gm.ops, layouts, strict=True):
             acc = 0
             for c in choices:
@@ -94,9 +102,10 @@ def variants(gm: GroupModel, k: int, counts: dict[str, dict[str, int]]) -> list[
             variants[-1].count += 1
             continue
         actions = {op.key: RECOMPUTE for op in gm.prof.ops}
-        for (op, _), label in zip(gm.ops, labels, strict=True):
+        offload_input = bool(labels) and labels[0] == INPUT
+        for (op, _), label in zip(gm.ops, labels[1:] if offload_input else labels, strict=True):
             actions[op.key] = by_label.get((op.key, label), RECOMPUTE)
-        variants.append(Variant(1, True, actions))
+        variants.append(Variant(1, True, actions, offload_input))
     if gm.prof.num_blocks - k > 0 or not variants:
         variants.append(Variant(gm.prof.num_blocks - k, False, {}))
     return variants

@@ -57,6 +57,7 @@ class BlockLoad:
     decode_workspace: int = 0
     variant: str = ""  # its action table's key in ``Profile.variant_transients``
     rng: int = 0  # generator states its kept random ops hold (not in `held`: no recorder sees them)
+    parked: int = 0  # offloaded to host memory (its input and ops): staged back in backward
 
 
 @dataclass
@@ -66,6 +67,7 @@ class StepEstimate:
     peak_nbytes: int
     moment: str
     moments: dict[str, int] = field(default_factory=dict)
+    inputs_offloaded: bool = False  # (`extreme_peaks`) the least peak offloads block inputs
 
 
 def split_static(static: int | StaticMemory) -> tuple[int, int, int]:
@@ -149,15 +151,36 @@ def head_peaks(profile: Profile, tl: Timeline, head: str) -> tuple[int, int]:
     )
 
 
-def _forward_transient(b: BlockLoad, g: GroupProfile, measured: int, deltas: dict) -> int:
+def _forward_transient(
+    b: BlockLoad, g: GroupProfile, measured: int, deltas: dict, lag: bool = False
+) -> int:
     """Measured under full recomputation, plus the difference its action table makes (measured,
     `profiler.variants`), or else everything the block keeps (it accumulates while the block
-    runs) and its codecs' encode workspace."""
+    runs) and its codecs' encode workspace; with copies to the host that lag behind the block
+    (`lag`: a side stream), what it offloads too (each device copy lives until its copy is done)."""
     if not b.checkpoint:
         return g.plain_forward_transient_nbytes
+    late = b.parked if lag else 0
     if b.variant in deltas:
-        return max(0, measured + deltas[b.variant][0])
-    return measured + b.kept + b.encode_workspace
+        return max(0, measured + deltas[b.variant][0]) + late
+    return measured + b.kept + b.encode_workspace + late
+
+
+def staged_ahead(blocks: list[BlockLoad]) -> list[int]:
+    """Per block (forward order): bytes an earlier block offloaded that are staged back on the
+    device while this block's backward runs. Backward stages, when an offloading block's backward
+    starts, what the offloading block before it parked (`runtime.offload`): those bytes stay
+    until that block's own backward takes them."""
+    out, prev, later = [0] * len(blocks), 0, False
+    ahead = [False] * len(blocks)  # some offloading block at or after j
+    for j in range(len(blocks) - 1, -1, -1):
+        later = later or blocks[j].parked > 0
+        ahead[j] = later
+    for j, b in enumerate(blocks):
+        out[j] = prev if ahead[j] else 0
+        if b.parked:
+            prev = b.parked
+    return out
 
 
 def _backward_transient(b: BlockLoad, g: GroupProfile, measured: int, deltas: dict) -> int:
@@ -239,11 +262,13 @@ def step_peak(
         for d, b, g in zip(delta, blocks, groups, strict=True)
     ]
     ex = extras(static, tl, unsharded)
+    lag = profile.offload is not None and profile.offload.overlap
+    ahead = staged_ahead(blocks)
     moments: dict[str, int] = {}
     before = 0
     for j, (b, g) in enumerate(zip(blocks, groups, strict=True)):
         measured = tl.forward_peak[j] - tl.forward_start[j]
-        transient = _forward_transient(b, g, measured, deltas)
+        transient = _forward_transient(b, g, measured, deltas, lag)
         moments[f"forward:{j}"] = (
             resident
             + acc
@@ -269,18 +294,29 @@ def step_peak(
         in_flight = max(0, acc - (tl.grads[j] if tl.grads else 0))
         # A kept output of the block's own is alive until its recompute takes it back.
         cached_output = b.kept_shared - shared_extra[j] if b.checkpoint else 0
+        # What it offloaded is back from its backward's start, beside what the offloading block
+        # before it parked. A measured action table has its own in its transient (its op
+        # outputs come back in place of outputs the recompute would make, but earlier: unmeasured,
+        # all of them count).
+        staged = ahead[j] + (b.parked if b.variant not in deltas else 0)
         moments[f"backward:{j}"] = (
             resident
             + in_flight
             + tl.backward_start[j]
             + sum(delta[: j + 1])
             + cached_output
+            + staged
             + _backward_transient(b, g, measured, deltas)
             + ex.backward[j]
         )
         if j < len(tl.backward_gap) and tl.backward_gap[j]:  # after block j+1's backward
             moments[f"backward_between:{j}"] = (
-                resident + in_flight + tl.backward_gap[j] + sum(delta[: j + 1]) + ex.backward[j]
+                resident
+                + in_flight
+                + tl.backward_gap[j]
+                + sum(delta[: j + 1])
+                + (ahead[j + 1] if j + 1 < len(blocks) else 0)
+                + ex.backward[j]
             )
     moments["tail"] = resident + max(tl.tail_peak + ex.tail, acc)
     moments["optimizer"] = resident + grads + opt_step
@@ -324,15 +360,31 @@ def pinned_nbytes(g: GroupProfile) -> int:
     return sum(o.retain_nbytes for o in g.ops if o.cacheable and o.layer_type in ALWAYS_RETAIN)
 
 
-def uniform_loads(profile: Profile, checkpoint: dict[str, bool]) -> list[BlockLoad]:
+def uniform_loads(
+    profile: Profile, checkpoint: dict[str, bool], offload_inputs: bool = False
+) -> list[BlockLoad]:
     """Every block of each group checkpointed with everything recomputed but `ALWAYS_RETAIN` ops
-    (holding what full recomputation holds), or not checkpointed at all (holding ``full_nbytes``), per group."""
+    (holding what full recomputation holds; `offload_inputs`: its input in host memory instead),
+    or not checkpointed at all (holding ``full_nbytes``), per group."""
     out = []
     for name, _ in profile.block_order():
         g = profile.groups[name]
-        held = g.input_nbytes + pinned_nbytes(g) if checkpoint[name] else g.full_nbytes
-        out.append(BlockLoad(name, held, checkpoint[name]))
+        if not checkpoint[name]:
+            out.append(BlockLoad(name, g.full_nbytes, False))
+        elif offload_inputs:
+            out.append(BlockLoad(name, pinned_nbytes(g), True, parked=g.input_nbytes))
+        else:
+            out.append(BlockLoad(name, g.input_nbytes + pinned_nbytes(g), True))
     return out
+
+
+def inputs_fit_host(profile: Profile) -> bool:
+    """Whether the profile's host link may hold every block's input (its cap, if any)."""
+    link = profile.offload
+    if link is None:
+        return False
+    total = sum(g.num_blocks * g.input_nbytes for g in profile.groups.values())
+    return not link.host_cap_nbytes or total <= link.host_cap_nbytes
 
 
 def extreme_peaks(
@@ -342,15 +394,20 @@ def extreme_peaks(
 
     The least: per group, every block checkpointed and recomputed, or none checkpointed (a group of
     tiny blocks can hold less without checkpointing than its recompute transient costs); all
-    combinations of the groups are tried.
+    combinations of the groups are tried, and where the profile has a host link, each with the
+    checkpointed blocks' inputs offloaded too (``inputs_offloaded`` says which won).
     """
     names = sorted(profile.groups)
     best: StepEstimate | None = None
+    offload = (False, True) if inputs_fit_host(profile) else (False,)
     for mask in range(2 ** len(names)):
         choice = {n: not (mask >> i) & 1 for i, n in enumerate(names)}
-        est = step_peak(profile, uniform_loads(profile, choice), static, accumulation, head)
-        if best is None or est.peak_nbytes < best.peak_nbytes:
-            best = est
+        for off in offload:
+            loads = uniform_loads(profile, choice, off)
+            est = step_peak(profile, loads, static, accumulation, head)
+            est.inputs_offloaded = off
+            if best is None or est.peak_nbytes < best.peak_nbytes:
+                best = est
     plain = step_peak(
         profile, uniform_loads(profile, dict.fromkeys(names, False)), static, accumulation, head
     )
