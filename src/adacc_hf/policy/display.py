@@ -49,8 +49,9 @@ def table(policy: Policy) -> str:
 
 
 def action_counts(policy: Policy) -> dict[str, dict[str, int]]:
-    """Per group: how many (block, op) pairs get each action (``compress:<codec>`` by codec), and
-    ``no_checkpoint_blocks``."""
+    """Per group: how many (block, op) pairs get each action (``compress:<codec>`` by codec),
+    ``no_checkpoint_blocks`` and ``offloaded_inputs`` (checkpointed blocks whose input is held in
+    host memory)."""
     out: dict[str, dict[str, int]] = {}
     for name, g in sorted(policy.groups.items()):
         counts: Counter[str] = Counter()
@@ -58,6 +59,8 @@ def action_counts(policy: Policy) -> dict[str, dict[str, int]]:
             if not v.checkpoint:
                 counts["no_checkpoint_blocks"] += v.count
                 continue
+            if v.offload_input:
+                counts["offloaded_inputs"] += v.count
             for op in g.ops:
                 counts[str(v.action(op.key)).split("(")[0]] += v.count
         out[name] = dict(counts)

@@ -153,8 +153,11 @@ class HostStore:
     """Parks tensors of checkpointed blocks in host memory and brings them back one block ahead
     (see the module docstring). One per patched model."""
 
-    def __init__(self, device: torch.device | str, cap_nbytes: int | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str, cap_nbytes: int | None = None, prefetch: bool = True
+    ) -> None:
         self.device = torch.device(device)
+        self.prefetch = prefetch  # False: each tensor comes back only when it is used
         cuda = self.device.type == "cuda"
         self.pool = HostPool(cuda, default_host_cap() if cap_nbytes is None else int(cap_nbytes))
         self.stream = torch.cuda.Stream(self.device) if cuda else None
@@ -234,7 +237,7 @@ class HostStore:
         for p in frame.items:
             self._stage(p)
         live = [f for r in self._frames if (f := r()) is not None]
-        if frame in live:
+        if frame in live and self.prefetch:
             i = live.index(frame)
             prev = next((f for f in reversed(live[:i]) if f.items and not f.backward), None)
             if prev is not None:

@@ -221,8 +221,11 @@ def group_models(
     codecs: set[str] | None,
     max_rel_error: float | None,
     max_grad_error: float | None = None,
+    offload: bool = True,
 ) -> list[GroupModel]:
-    link = profile.offload
+    """Each group's ops with their choices; offload among them where the profile has a host link
+    (and `offload`)."""
+    link = profile.offload if offload else None
     return [
         GroupModel(
             name,

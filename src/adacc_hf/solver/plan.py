@@ -130,8 +130,8 @@ def _solve(
     if budget_nbytes < low.peak_nbytes:
         raise BudgetError(infeasible_message(profile, budget_nbytes, static_nbytes, low))
 
-    def realise(ks: dict, counts: dict) -> tuple[Policy, Prediction]:
-        policy = policy_from_counts(profile, groups, ks, counts)
+    def realise(ks: dict, counts: dict, models: list = groups) -> tuple[Policy, Prediction]:
+        policy = policy_from_counts(profile, models, ks, counts)
         policy.head = head
         # per-op sums alone: every candidate priced alike, as the MILP prices them
         return policy, predict(profile, policy, static_nbytes, accumulation, measured_ms=False)
@@ -146,6 +146,19 @@ def _solve(
         backend, label = make_solver(solver, time_limit_s, mip_gap * recompute_ms(groups))
         caps = Caps(*lp_caps(profile, budget_nbytes, static_nbytes, accumulation, head))
         found = _search(groups, budget_nbytes, caps, split_blocks, backend, realise)
+        if profile.offload is not None:
+            # The cap search is a heuristic: searched without offload too, a plan with a host
+            # link is never slower than the same budget's plan without one.
+            plain = group_models(profile, allowed, max_rel_error, max_grad_error, offload=False)
+            other = _search(
+                plain, budget_nbytes, caps, split_blocks, backend, lambda k, c: realise(k, c, plain)
+            )
+            if other is not None and (
+                found is None
+                or (other[4].added_ms, other[4].peak_nbytes)
+                < (found[4].added_ms, found[4].peak_nbytes)
+            ):
+                found = other
         if found is None:
             status = "fallback"
         else:
@@ -300,6 +313,7 @@ def infeasible_message(
 ) -> str:
     """Why no policy fits: the least step peak, the moment that sets it, and what to change."""
     need = least.peak_nbytes
+    inputs = " with the block inputs in host memory" if least.inputs_offloaded else ""
     if isinstance(static, StaticMemory):
         st = static.total + static.buffers
         parts = (
@@ -314,7 +328,7 @@ def infeasible_message(
     msg = (
         f"no activation policy fits in a budget of {fmt_bytes(budget)} ({budget} bytes): the "
         f"smallest feasible budget is {fmt_bytes(need)} ({need} bytes), the step's peak under "
-        f"full recomputation, reached at its '{least.moment}' moment: static memory "
+        f"full recomputation{inputs}, reached at its '{least.moment}' moment: static memory "
         f"{fmt_bytes(st)} ({parts}) + {fmt_bytes(act)} of activations, gradients in flight and "
         f"transients ({fmt_bytes(profile.full_recompute_nbytes())} held for backward). "
     )
@@ -328,7 +342,12 @@ def infeasible_message(
         )
     return msg + (
         "Activations dominate: raise the budget, use a smaller micro-batch (with gradient "
-        "accumulation) or shorter sequences."
+        "accumulation) or shorter sequences"
+        + (
+            ", or let the solver offload to host memory (offload=True / adacc_offload)."
+            if profile.offload is None
+            else "."
+        )
     )
 
 
