@@ -22,7 +22,8 @@ from adacc_hf.policy import builders
 from adacc_hf.runtime.offload import measure_link
 from adacc_hf.schema import Action, OffloadLink, Profile, Variant, codec_candidates
 from adacc_hf.solver import estimate_static_memory, solve
-from adacc_hf.solver.cost_model import INPUT, block_loads, exposed_ms, predict
+from adacc_hf.solver.cost_model import block_loads, predict
+from adacc_hf.solver.offload import INPUT, exposed_ms
 from adacc_hf.solver.step import extreme_peaks
 
 #: Links the solver is tested over: an H100's PCIe 5 (about 55 GB/s each way, measured pinned

@@ -40,6 +40,7 @@ from ..schema import (
     variant_key,
 )
 from ..units import fmt_bytes
+from .offload import INPUT, STAGED_BLOCKS, copy_ms, exposed_ms, staging
 from .static import StaticMemory
 from .step import (
     BlockLoad,
@@ -93,10 +94,6 @@ class Choice:
     host_nbytes: int = 0  # offload: held in host memory (and staged back in backward)
 
 
-#: The block input's offload in a group's counts (``counts[group][INPUT]``): not an op.
-INPUT = "<input>"
-
-
 @dataclass
 class GroupModel:
     name: str
@@ -105,31 +102,6 @@ class GroupModel:
     # a block's gradient error bound (errors of its lossy ops added in quadrature); None: none
     max_grad_error: float | None = None
     link: OffloadLink | None = None  # where offload may be chosen (its input's too)
-
-
-def copy_ms(link: OffloadLink, nbytes: int) -> float:
-    """What offloading `nbytes` costs a block in line: two launches, and where the copies do not
-    overlap compute (the CPU stand-in) their whole time out and back."""
-    if link.overlap:
-        return 2 * link.launch_ms
-    return 2 * link.launch_ms + link.d2h_ms(nbytes) + link.h2d_ms(nbytes)
-
-
-def overlap_windows(g: GroupProfile) -> tuple[float, float]:
-    """(forward, backward) ms a block of `g` runs beside its side-stream copies: its forward, and
-    its backward (about twice its forward; its recompute, when it has one, not counted)."""
-    return g.block_fwd_ms, 2 * g.block_fwd_ms
-
-
-def exposed_ms(link: OffloadLink | None, g: GroupProfile, nbytes: int, blocks: float = 1) -> float:
-    """Time `blocks` checkpointed blocks of `g` wait for side-stream copies of `nbytes` in all
-    (spread over them): what outlasts their forwards going out and their backwards coming back."""
-    if link is None or not link.overlap or not nbytes:
-        return 0.0
-    fwd, bwd = overlap_windows(g)
-    return max(0.0, link.d2h_ms(nbytes) - blocks * fwd) + max(
-        0.0, link.h2d_ms(nbytes) - blocks * bwd
-    )
 
 
 def choices_for(
@@ -274,24 +246,6 @@ def evaluate(
             transient = max(transient, g.plain_transient_nbytes)
         staged = max(staged, staging(gm, counts[gm.name]))
     return held, math.fsum(ms), transient + STAGED_BLOCKS * staged
-
-
-#: Blocks whose offloaded bytes may be on the device in one block's backward: its own, back from
-#: its start (the step model's unmeasured bound), and the offloading block before it, prefetched
-#: (`runtime.offload`).
-STAGED_BLOCKS = 2
-
-
-def staging(gm: GroupModel, counts: dict[str, dict[str, int]]) -> int:
-    """The most one block of the group may stage back under `counts`: every op some block
-    offloads (at its largest offloaded size) and the input, if some block offloads it."""
-    total = g_in = 0
-    if counts.get(INPUT, {}).get("offload", 0):
-        g_in = gm.prof.input_nbytes
-    for op, choices in gm.ops:
-        c = counts.get(op.key, {})
-        total += max((ch.host_nbytes for ch in choices if c.get(ch.label, 0)), default=0)
-    return total + g_in
 
 
 def min_budget(

@@ -47,16 +47,8 @@ import pulp
 from ..policy.consistency import keeps_statistics, lossy
 from ..schema import OpProfile
 from ..units import MiB
-from .cost_model import (
-    INPUT,
-    STAGED_BLOCKS,
-    Choice,
-    GroupModel,
-    copy_ms,
-    dispatch_ms,
-    evaluate,
-    overlap_windows,
-)
+from .cost_model import Choice, GroupModel, dispatch_ms, evaluate
+from .offload import INPUT, STAGED_BLOCKS, copy_ms, overlap_windows
 from .step import checkpointed_nbytes
 
 

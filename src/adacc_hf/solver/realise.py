@@ -17,7 +17,8 @@ from typing import Any
 from ..policy import Policy
 from ..policy.consistency import keeps_statistics, lossy
 from ..schema import ALWAYS_RETAIN, RECOMPUTE, GroupPolicy, OpProfile, Profile, Variant
-from .cost_model import INPUT, Choice, GroupModel, Prediction
+from .cost_model import Choice, GroupModel, Prediction
+from .offload import INPUT
 
 
 @dataclass
