@@ -158,11 +158,19 @@ def test_offloaded_bytes_are_off_the_device_and_predicted_to_the_byte():
     assert held > 0
 
 
-def test_a_plan_with_offload_fits_its_budget_and_its_prediction():
-    """A session planning with offload (over the CPU stand-in's measured link) at a budget 30 %
-    of the way from full recomputation to none, and at one below full recomputation's least peak
-    (only offloaded inputs reach it): each plan offloads, and its measured step is within the
-    budget and within 5 % of the prediction."""
+def test_a_plan_with_offload_fits_its_budget_and_its_prediction(monkeypatch):
+    """A session planning with offload at a budget 10 % of the way from full recomputation to
+    none (where it may offload or not: the faster plan wins), and at one below full
+    recomputation's least peak (only offloaded inputs reach it): the measured step is within the
+    budget and within 5 % of the prediction. The link is priced as a fast one (1 TB/s in line),
+    so offload competes with recompute (the CPU stand-in's real memcpy makes it dearer); the
+    copies themselves run on the stand-in as always (prices steer choices, the meter sees the
+    truth)."""
+    from adacc_hf.integrations import solving
+
+    monkeypatch.setattr(
+        solving, "measure_link", lambda device, cap=0: OffloadLink(1000.0, 1000.0, False, 0.0, cap)
+    )
     torch.manual_seed(0)
     model = assets.tiny_model("llama", num_hidden_layers=8)
     batch = assets.tiny_batch("llama", model, batch_size=4, seq_len=256)
@@ -174,7 +182,7 @@ def test_a_plan_with_offload_fits_its_budget_and_its_prediction():
     prof.offload = measure_link("cpu")
     low_off, _ = extreme_peaks(prof, static)
     assert low_off.inputs_offloaded and low_off.peak_nbytes < low.peak_nbytes
-    ample = int(low.peak_nbytes + 0.3 * (high.peak_nbytes - low.peak_nbytes))
+    ample = int(low.peak_nbytes + 0.1 * (high.peak_nbytes - low.peak_nbytes))
     tight = (low_off.peak_nbytes + low.peak_nbytes) // 2
     for budget in (ample, tight):
         s = prepare(model, budget, batch, adaptive=False, offload=True, optimizer=opt)
@@ -184,7 +192,8 @@ def test_a_plan_with_offload_fits_its_budget_and_its_prediction():
         predicted = policy.metadata["predicted"]["peak_nbytes"]
         assert got <= budget, (budget, got)
         assert abs(got - predicted) <= 0.05 * predicted, (budget, got, predicted)
-        assert any(v.offloads for g in policy.groups.values() for v in g.variants), budget
+        if budget == tight:  # only offload reaches below full recomputation's least peak
+            assert any(v.offloads for g in policy.groups.values() for v in g.variants)
 
 
 def test_offload_adds_no_host_syncs(tiny):
