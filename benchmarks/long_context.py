@@ -36,35 +36,17 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from adacc_hf import assets, measure_step_peak, prepare
-from adacc_hf.errors import BudgetError
-from adacc_hf.runtime.offload import HostStore
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.append(str(ROOT))
+
+from adacc_hf import assets, measure_step_peak, prepare  # noqa: E402
+from adacc_hf.errors import BudgetError  # noqa: E402
+from adacc_hf.runtime.offload import HostStore  # noqa: E402
+from benchmarks.harness.smollm2 import lm_batch, model_and_optimizer, text_ids  # noqa: E402
 
 MiB = 2**20
 METHODS = ("hf_full", "hf_every_2", "hf_full_offload", "adacc")
-
-
-def _text_ids(tokenizer, n_tokens: int) -> torch.Tensor:
-    text = assets.shakespeare_text(max_chars=n_tokens * 6)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-    assert ids.numel() >= n_tokens, "not enough text"
-    return ids[:n_tokens]
-
-
-def _batch(ids: torch.Tensor, seq: int) -> dict[str, torch.Tensor]:
-    x = ids[:seq].view(1, seq).clone()
-    return {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}
-
-
-def _model_and_optimizer():
-    model, _ = assets.load_smollm2(attn_implementation="sdpa")
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-    for p in model.parameters():  # the states of a running fine-tune, without a step
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return model, opt
 
 
 def _hf_offload_on_stand_in(model) -> HostStore:
@@ -88,7 +70,7 @@ def _hf_offload_on_stand_in(model) -> HostStore:
 
 
 def baseline(method: str, batch: dict) -> dict:
-    model, opt = _model_and_optimizer()
+    model, opt = model_and_optimizer("sdpa")
     every = 2 if method == "hf_every_2" else 1
     model.activation_checkpointing_enable(every_n_layers=every)
     store = _hf_offload_on_stand_in(model) if method == "hf_full_offload" else None
@@ -107,7 +89,7 @@ def baseline(method: str, batch: dict) -> dict:
 
 
 def adacc(batch: dict, budget: int) -> dict:
-    model, opt = _model_and_optimizer()
+    model, opt = model_and_optimizer("sdpa")
     t0 = time.perf_counter()
     try:
         session = prepare(
@@ -163,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     _, tokenizer = assets.load_smollm2()
     lengths = sorted(args.lengths)
-    ids = _text_ids(tokenizer, lengths[-1])
+    ids = text_ids(tokenizer, lengths[-1])
     result: dict = {
         "model": "SmolLM2-135M (pretrained, SDPA)",
         "micro_batch": 1,
@@ -180,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
 
-    first = baseline("hf_full", _batch(ids, lengths[0]))
+    first = baseline("hf_full", lm_batch(ids, 1, lengths[0]))
     budget = first["peak_nbytes"]
     result["budget_nbytes"] = budget
     result["budget_how"] = f"HF full checkpointing's measured step peak at {lengths[0]} tokens"
     log(f"budget: {budget / MiB:.1f} MiB ({result['budget_how']}, set by {first['phase']})")
     for n in lengths:
-        batch = _batch(ids, n)
+        batch = lm_batch(ids, 1, n)
         for m in args.methods:
             if m == "hf_full" and n == lengths[0]:
                 r = first

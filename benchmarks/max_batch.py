@@ -27,38 +27,20 @@ from pathlib import Path
 
 import torch
 
-from adacc_hf import assets, measure_step_peak, prepare
-from adacc_hf.errors import BudgetError
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.append(str(ROOT))
+
+from adacc_hf import assets, measure_step_peak, prepare  # noqa: E402
+from adacc_hf.errors import BudgetError  # noqa: E402
+from benchmarks.harness.smollm2 import lm_batch, model_and_optimizer, text_ids  # noqa: E402
 
 MiB = 2**20
 
 
-def _text_ids(tokenizer, n_tokens: int) -> torch.Tensor:
-    text = assets.shakespeare_text(max_chars=n_tokens * 6)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-    assert ids.numel() >= n_tokens, "not enough text"
-    return ids[:n_tokens]
-
-
-def _batch(ids: torch.Tensor, b: int, seq: int) -> dict[str, torch.Tensor]:
-    x = ids[: b * seq].view(b, seq).clone()
-    return {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}
-
-
-def _model_and_optimizer():
-    model, _ = assets.load_smollm2()
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-    for p in model.parameters():  # the states of a running fine-tune, without a step
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return model, opt
-
-
 def hf_full_checkpointing(batch: dict) -> tuple[int, str]:
     """The measured step peak and the phase that sets it."""
-    model, opt = _model_and_optimizer()
+    model, opt = model_and_optimizer()
     enable = getattr(model, "activation_checkpointing_enable", None)
     (enable or model.gradient_checkpointing_enable)()
     step = measure_step_peak(model, batch, opt)
@@ -68,7 +50,7 @@ def hf_full_checkpointing(batch: dict) -> tuple[int, str]:
 
 
 def adacc(batch: dict, budget: int, head: str) -> dict:
-    model, opt = _model_and_optimizer()
+    model, opt = model_and_optimizer()
     t0 = time.perf_counter()
     try:
         session = prepare(model, budget, batch, optimizer="adamw_torch", adaptive=False, head=head)
@@ -101,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.manual_seed(0)
     _, tokenizer = assets.load_smollm2()
-    ids = _text_ids(tokenizer, args.max_batch * args.seq)
+    ids = text_ids(tokenizer, args.max_batch * args.seq)
     n0, seq = args.budget_batch, args.seq
     result: dict = {"model": "SmolLM2-135M", "seq": seq, "optimizer": "AdamW fp32"}
 
@@ -110,14 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
 
-    budget, phase = hf_full_checkpointing(_batch(ids, n0, seq))
+    budget, phase = hf_full_checkpointing(lm_batch(ids, n0, seq))
     result.update(budget_batch=n0, budget_nbytes=budget, hf_full_checkpointing={n0: budget})
     log(f"budget: HF full checkpointing at micro-batch {n0}: {budget / MiB:.1f} MiB ({phase})")
     if phase == "optimizer":  # then no strategy fits a larger micro-batch: nothing to compare
         log("the optimizer step sets this budget: raise --budget-batch")
     hf_max = n0
     for b in range(n0 + 1, args.max_batch + 1):
-        peak, phase = hf_full_checkpointing(_batch(ids, b, seq))
+        peak, phase = hf_full_checkpointing(lm_batch(ids, b, seq))
         result["hf_full_checkpointing"][b] = peak
         log(f"HF full checkpointing, micro-batch {b}: {peak / MiB:.1f} MiB ({phase})")
         if peak > budget:
@@ -130,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         best, b = 0, min(2 * hf_max, args.max_batch)
         tried_down = False
         while 1 <= b <= args.max_batch and b not in runs:
-            r = runs[b] = adacc(_batch(ids, b, seq), budget, head)
+            r = runs[b] = adacc(lm_batch(ids, b, seq), budget, head)
             peak = r.get("peak_nbytes")
             log(
                 f"Adacc (head {head}), micro-batch {b}: fits={r['fits']} "

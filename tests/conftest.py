@@ -40,6 +40,19 @@ def step(model, batch, seed: int = 1234):
     return out.loss.detach(), grads, out
 
 
+def smollm2_on_text():
+    """The shipped pretrained SmolLM2-135M (train mode) and 4 x 128 tokens of Shakespeare;
+    skips the test where the asset is missing."""
+    try:
+        model, tok = assets.load_smollm2()
+    except assets.AssetNotFoundError as e:  # pragma: no cover - `make test` installs it
+        pytest.skip(str(e))
+    model.train()
+    train, _ = assets.shakespeare_splits(tok, 128, 4, 0)
+    batch = {k: torch.tensor(train[k]) for k in ("input_ids", "attention_mask", "labels")}
+    return model, batch
+
+
 def grad_rel_error(grads, ref) -> float:
     """||g - g_ref|| / ||g_ref|| over all parameters together."""
     assert grads.keys() == ref.keys()

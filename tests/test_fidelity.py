@@ -13,10 +13,9 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-from conftest import grad_rel_error, step
+from conftest import grad_rel_error, smollm2_on_text, step
 
-from adacc_hf import apply_adacc, assets, estimate_static_memory, profile_model, uniform_policy
+from adacc_hf import apply_adacc, estimate_static_memory, profile_model, uniform_policy
 from adacc_hf.policy.builders import by_layer_type
 from adacc_hf.profiler.fidelity import measure_grad_errors, policy_block_error
 from adacc_hf.runtime.trace import trace_model
@@ -28,13 +27,7 @@ WHOLE_MODEL_BOUND = 0.3
 
 @pytest.fixture(scope="module")
 def smollm2():
-    try:
-        model, tok = assets.load_smollm2()
-    except assets.AssetNotFoundError as e:  # pragma: no cover - `make test` installs it
-        pytest.skip(str(e))
-    model.train()
-    train, _ = assets.shakespeare_splits(tok, 128, 4, 0)
-    batch = {k: torch.tensor(train[k]) for k in ("input_ids", "attention_mask", "labels")}
+    model, batch = smollm2_on_text()
     _, ref, _ = step(model, batch)
     return model, batch, ref
 

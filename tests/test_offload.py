@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import grad_rel_error, step
+from conftest import grad_rel_error, smollm2_on_text, step
 from sync_count import SyncCounter
 from test_solver import group as sgroup
 from test_solver import op as sop
@@ -109,13 +109,7 @@ def test_pretrained_smollm2_on_real_text():
     compressing with them gives, within the fidelity bar of `tests/test_fidelity.py`."""
     from test_fidelity import WHOLE_MODEL_BOUND
 
-    try:
-        model, tok = assets.load_smollm2()
-    except assets.AssetNotFoundError as e:  # pragma: no cover - `make test` installs it
-        pytest.skip(str(e))
-    model.train()
-    train, _ = assets.shakespeare_splits(tok, 128, 4, 0)
-    batch = {k: torch.tensor(train[k]) for k in ("input_ids", "attention_mask", "labels")}
+    model, batch = smollm2_on_text()
     ref = step(model, batch)
     trace = trace_model(model, batch)
     runs = {}

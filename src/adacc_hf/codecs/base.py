@@ -65,9 +65,10 @@ class Encoded:
 
     def nbytes(self) -> int:
         """Exact bytes the encoding holds on the device: the payload and any tensor in ``meta``
-        (int4_outlier's outlier count); python metadata is not counted."""
-        held = [*self.tensors.values(), *(v for v in self.meta.values() if torch.is_tensor(v))]
-        return sum(t.numel() * t.element_size() for t in held)
+        (int4_outlier's outlier count); python metadata, and payload parked in host memory
+        (`runtime.offload`), are not counted."""
+        held = [*self.tensors.values(), *self.meta.values()]
+        return sum(t.numel() * t.element_size() for t in held if torch.is_tensor(t))
 
     @property
     def device(self) -> torch.device:

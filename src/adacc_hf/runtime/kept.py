@@ -4,8 +4,9 @@ the output back.
 An `Entry` holds an op's outputs raw (retain), encoded (compress: the main output with the slot's
 codec, bool outputs bit-packed, small statistics such as layer norm's mean and rstd exact) or,
 for ``native_dropout``, only its bit-packed mask (replay rebuilds the output from the input and
-the mask, bit for bit); an offloaded slot parks all of it in host memory (`offload`) until replay. Raw tensors remember their version counter: a kept output mutated in
-place afterwards is an error, never a silent wrong gradient. Decoded outputs get the strides the
+the mask, bit for bit); an offloaded slot parks all of it in host memory (`offload`) until
+replay. Raw tensors remember their version counter: a kept output mutated in place afterwards is
+an error, never a silent wrong gradient. Decoded outputs get the strides the
 op's output had, so the ops after them take the same paths as in forward.
 """
 
@@ -116,10 +117,7 @@ def _device_nbytes(v: Any) -> int:
     """Bytes of `v` still on the device after parking (tensors the host cap refused)."""
     if isinstance(v, torch.Tensor):
         return v.numel() * v.element_size()
-    if isinstance(v, Encoded):
-        held = [*v.tensors.values(), *v.meta.values()]
-        return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
-    return 0
+    return v.nbytes() if isinstance(v, Encoded) else 0
 
 
 def _fetch(host: Any, e: Entry, discard: bool = False) -> None:

@@ -244,7 +244,7 @@ def evaluate(
             transient = max(transient, g.transient_nbytes)
         if kg < g.num_blocks:
             transient = max(transient, g.plain_transient_nbytes)
-        staged = max(staged, staging(gm, counts[gm.name]))
+        staged = max(staged, staging(g, gm.ops, counts[gm.name]))
     return held, math.fsum(ms), transient + STAGED_BLOCKS * staged
 
 

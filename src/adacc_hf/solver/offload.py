@@ -4,9 +4,10 @@ compute on a side stream) and the bytes a block's backward brings back; one home
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from ..schema import GroupProfile, OffloadLink
+from ..schema import GroupProfile, OffloadLink, OpProfile
 
 #: The block input's offload in a group's counts (``counts[group][INPUT]``): not an op.
 INPUT = "<input>"
@@ -43,13 +44,18 @@ def exposed_ms(link: OffloadLink | None, g: GroupProfile, nbytes: int, blocks: f
 STAGED_BLOCKS = 2
 
 
-def staging(gm: Any, counts: dict[str, dict[str, int]]) -> int:
-    """The most one block of the group may stage back under `counts`: every op some block
-    offloads (at its largest offloaded size) and the input, if some block offloads it."""
+def staging(
+    g: GroupProfile,
+    ops: Sequence[tuple[OpProfile, Sequence[Any]]],
+    counts: dict[str, dict[str, int]],
+) -> int:
+    """The most one block of group `g` may stage back under `counts`: every op some block
+    offloads (at its largest offloaded size among `ops`' choices, `cost_model.Choice`) and the
+    input, if some block offloads it."""
     total = g_in = 0
     if counts.get(INPUT, {}).get("offload", 0):
-        g_in = gm.prof.input_nbytes
-    for op, choices in gm.ops:
+        g_in = g.input_nbytes
+    for op, choices in ops:
         c = counts.get(op.key, {})
         total += max((ch.host_nbytes for ch in choices if c.get(ch.label, 0)), default=0)
     return total + g_in
