@@ -11,20 +11,12 @@ Rooms: `budget` (specs -> bytes), `static` (parameters, gradients, optimizer sta
 """
 
 from .budget import describe_budget, parse_budget
-from .cost_model import (
-    MAX_GRAD_ERROR,
-    Prediction,
-    budget_between,
-    budget_window,
-    grad_error_of,
-    min_budget,
-    no_checkpoint_budget,
-    predict,
-)
+from .cost_model import MAX_GRAD_ERROR, Prediction, grad_error_of, predict
 from .headroom import HEADROOM, headroom_for, planned_budget
 from .plan import Solution, least_memory_policy, solve, solve_policy
 from .static import StaticMemory, estimate_static_memory, measured_static_memory
 from .step import StepEstimate, step_peak
+from .window import budget_between, budget_window, min_budget, no_checkpoint_budget
 
 __all__ = [
     "HEADROOM",

@@ -30,7 +30,6 @@ from ..policy import Policy
 from ..policy.consistency import keeps_statistics
 from ..schema import (
     ALWAYS_RETAIN,
-    HEADS,
     Action,
     GroupProfile,
     OffloadLink,
@@ -39,14 +38,12 @@ from ..schema import (
     Variant,
     variant_key,
 )
-from ..units import fmt_bytes
 from .offload import INPUT, STAGED_BLOCKS, copy_ms, exposed_ms, staging
 from .static import StaticMemory
 from .step import (
     BlockLoad,
     StepEstimate,
     checkpointed_nbytes,
-    extreme_peaks,
     head_shift,
     held_in_order,
     in_forward_order,
@@ -246,77 +243,6 @@ def evaluate(
             transient = max(transient, g.plain_transient_nbytes)
         staged = max(staged, staging(g, gm.ops, counts[gm.name]))
     return held, math.fsum(ms), transient + STAGED_BLOCKS * staged
-
-
-def min_budget(
-    profile: Profile, static: int | StaticMemory = 0, accumulation: int = 1, head: str = "full"
-) -> int:
-    """The smallest budget any policy fits in: the least step peak (`step.extreme_peaks`), with
-    the LM head run as `head` (``"auto"``: the least of the measured ones)."""
-    return min(
-        extreme_peaks(profile, static, accumulation, h)[0].peak_nbytes
-        for h in candidate_heads(profile, head)
-    )
-
-
-def candidate_heads(profile: Profile, head: str) -> list[str]:
-    """The ways of running the LM head a solve for `head` weighs: ``"auto"``: every one the
-    profile measured (the model's own when none); otherwise `head` itself, which must have been
-    measured unless it is the model's own (``"full"``)."""
-    if head == "auto":
-        return [h for h in HEADS if h in profile.heads] or ["full"]
-    if head not in HEADS:
-        raise PolicyError(f"unknown head {head!r}: 'auto' or one of {list(HEADS)}")
-    if head != "full" and head not in profile.heads:
-        raise PolicyError(
-            f"the profile has no measurement of the {head!r} LM head: the model cannot take it "
-            "(see adacc_hf.runtime.head.chunked_head_problem) or the profile predates it"
-        )
-    return [head]
-
-
-def no_checkpoint_budget(
-    profile: Profile, static: int | StaticMemory = 0, accumulation: int = 1
-) -> int:
-    """The budget above which nothing needs checkpointing: the step peak with none."""
-    return extreme_peaks(profile, static, accumulation)[1].peak_nbytes
-
-
-def budget_between(
-    profile: Profile, static: int | StaticMemory, fraction: float, accumulation: int = 1
-) -> int:
-    """The budget `fraction` of the way from the least step peak (0: full recomputation) to the
-    peak without checkpointing (1)."""
-    low, high = extreme_peaks(profile, static, accumulation)
-    return int(low.peak_nbytes + fraction * (high.peak_nbytes - low.peak_nbytes))
-
-
-def budget_window(
-    profile: Profile,
-    static: int | StaticMemory,
-    budget: int,
-    accumulation: int = 1,
-    head: str = "full",
-) -> str:
-    """Where `budget` sits in the range that matters, one line: the least step peak any policy
-    reaches (below it nothing fits) and the peak with no checkpointing (at or above it Adacc
-    changes nothing)."""
-    low, high = (
-        e.peak_nbytes for e in extreme_peaks(profile, static, accumulation, head)
-    )  # fmt: skip
-    where = (
-        "at or above no checkpointing's peak: nothing is checkpointed (a smaller budget makes "
-        "Adacc save memory)"
-        if budget >= high
-        else "below the least peak: no policy fits"
-        if budget < low
-        else f"{(budget - low) / max(1, high - low):.0%} of the way from the least to no "
-        "checkpointing's"
-    )
-    return (
-        f"budget {fmt_bytes(budget)}; step peak: least {fmt_bytes(low)} (any policy), "
-        f"no checkpointing {fmt_bytes(high)}; the budget is {where}"
-    )
 
 
 #: Default bound on a block's gradient error (`grad_error_of`; AdaccConfig.max_grad_error).

@@ -17,8 +17,9 @@ that fit (transformers' ``every_n_layers=4`` on a 135M LLaMA, 240.7 MiB measured
 from __future__ import annotations
 
 from ..schema import ALWAYS_RETAIN, Profile
-from .cost_model import candidate_heads, extreme_peaks
 from .static import StaticMemory
+from .step import extreme_peaks
+from .window import candidate_heads
 
 #: Share of the activation budget (budget - static) left free where the step model is not exact
 #: (`headroom_for`).

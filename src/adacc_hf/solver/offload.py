@@ -38,6 +38,23 @@ def exposed_ms(link: OffloadLink | None, g: GroupProfile, nbytes: int, blocks: f
     )
 
 
+def staged_ahead(parked: Sequence[int]) -> list[int]:
+    """Per block (forward order, `parked`: the bytes each offloads): bytes an earlier block
+    offloaded that are staged back on the device while this block's backward runs. Backward
+    stages, when an offloading block's backward starts, what the offloading block before it parked
+    (`runtime.offload`): those bytes stay until that block's own backward takes them."""
+    out, prev, later = [0] * len(parked), 0, False
+    ahead = [False] * len(parked)  # some offloading block at or after j
+    for j in range(len(parked) - 1, -1, -1):
+        later = later or parked[j] > 0
+        ahead[j] = later
+    for j, p in enumerate(parked):
+        out[j] = prev if ahead[j] else 0
+        if p:
+            prev = p
+    return out
+
+
 #: Blocks whose offloaded bytes may be on the device in one block's backward: its own, back from
 #: its start (the step model's unmeasured bound), and the offloading block before it, prefetched
 #: (`runtime.offload`).

@@ -18,11 +18,12 @@ from ..policy import Policy
 from ..schema import Profile
 from ..units import fmt_bytes
 from .budget import resolve_budget
-from .cost_model import Prediction, candidate_heads, group_models, predict, recompute_ms
+from .cost_model import Prediction, group_models, predict, recompute_ms
 from .milp import Caps, make_solver, run
 from .realise import Solution, full_recompute_counts, policy_from_counts, solve_metadata
 from .static import StaticMemory
 from .step import StepEstimate, extreme_peaks, lp_caps
+from .window import candidate_heads
 
 
 def solve(

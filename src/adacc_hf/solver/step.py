@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from ..schema import ALWAYS_RETAIN, GroupProfile, HeadCost, Profile, Timeline
 from .engines import EngineExtras, engine_extras
+from .offload import staged_ahead
 from .static import StaticMemory
 
 
@@ -166,23 +167,6 @@ def _forward_transient(
     return measured + b.kept + b.encode_workspace + late
 
 
-def staged_ahead(blocks: list[BlockLoad]) -> list[int]:
-    """Per block (forward order): bytes an earlier block offloaded that are staged back on the
-    device while this block's backward runs. Backward stages, when an offloading block's backward
-    starts, what the offloading block before it parked (`runtime.offload`): those bytes stay
-    until that block's own backward takes them."""
-    out, prev, later = [0] * len(blocks), 0, False
-    ahead = [False] * len(blocks)  # some offloading block at or after j
-    for j in range(len(blocks) - 1, -1, -1):
-        later = later or blocks[j].parked > 0
-        ahead[j] = later
-    for j, b in enumerate(blocks):
-        out[j] = prev if ahead[j] else 0
-        if b.parked:
-            prev = b.parked
-    return out
-
-
 def _backward_transient(b: BlockLoad, g: GroupProfile, measured: int, deltas: dict) -> int:
     """Measured under full recomputation, plus the difference its action table makes (measured),
     or else its codecs' decode workspace (kept outputs are handed back instead of rerun, which can
@@ -263,7 +247,7 @@ def step_peak(
     ]
     ex = extras(static, tl, unsharded)
     lag = profile.offload is not None and profile.offload.overlap
-    ahead = staged_ahead(blocks)
+    ahead = staged_ahead([b.parked for b in blocks])
     moments: dict[str, int] = {}
     before = 0
     for j, (b, g) in enumerate(zip(blocks, groups, strict=True)):
