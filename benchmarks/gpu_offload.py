@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
@@ -43,6 +44,7 @@ if __package__ in (None, ""):
 from adacc_hf import measure_step_peak, prepare  # noqa: E402
 from adacc_hf.errors import BudgetError  # noqa: E402
 from adacc_hf.runtime.offload import measure_link  # noqa: E402
+from adacc_hf.solver.cost_model import predict  # noqa: E402
 from benchmarks.harness.env import device_tag, header  # noqa: E402
 from benchmarks.harness.models import SMOLLM2_CONFIG, ModelSpec, find_specs  # noqa: E402
 from benchmarks.harness.report import write_json  # noqa: E402
@@ -52,15 +54,23 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _hf(model, offload: bool) -> str:
-    """transformers' full checkpointing, with ``offload=True`` where asked (its own hook)."""
-    try:
+    """transformers' full checkpointing; with `offload`, its ``offload=True`` (before transformers
+    has it: the same hook, `save_on_cpu` with pinned memory around each layer's checkpoint)."""
+    if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(offload=offload)
         return f"activation_checkpointing_enable(offload={offload})"
-    except (AttributeError, TypeError):
-        if offload:
-            raise
-        model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not offload:
         return "gradient_checkpointing_enable()"
+
+    def offloaded(function, *args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False):
+            m._gradient_checkpointing_func = offloaded
+    return "gradient_checkpointing_enable() + save_on_cpu(pin_memory=True) per layer"
 
 
 def _optimizer(model, fused: bool) -> torch.optim.Optimizer:
@@ -91,7 +101,11 @@ def _peak(model, batch, opt) -> dict:
     except torch.cuda.OutOfMemoryError as e:
         opt.zero_grad(set_to_none=True)
         return {"oom": str(e).splitlines()[0]}
-    return {"peak_nbytes": p.peak_nbytes, "reserved_peak_nbytes": p.reserved_peak_nbytes}
+    return {
+        "peak_nbytes": p.peak_nbytes,
+        "reserved_peak_nbytes": p.reserved_peak_nbytes,
+        "phases": p.phases,
+    }
 
 
 def _grads(model, batch) -> torch.Tensor:
@@ -100,6 +114,12 @@ def _grads(model, batch) -> torch.Tensor:
     g = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
     model.zero_grad(set_to_none=True)
     return g
+
+
+def _top_moments(session, policy, n: int = 6) -> dict[str, int]:
+    """The prediction's highest moments (which part of the step the model says peaks)."""
+    pred = predict(session.profile, policy, session._static())
+    return dict(sorted(pred.moments.items(), key=lambda kv: -kv[1])[:n])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -172,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             res["hf_offload_how"] = _hf(m, offload=True)
             models["hf_offload"] = (m, o)
-        except (AttributeError, TypeError) as e:
+        except (AttributeError, TypeError, RuntimeError) as e:
             res["hf_offload_how"] = f"unavailable: {e}"
     sessions: dict[str, Any] = {}
 
@@ -196,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             "plan_s": round(time.perf_counter() - t0, 1),
             "predicted_peak_nbytes": pol.metadata.get("predicted", {}).get("peak_nbytes"),
             "summary": pol.summary(),
+            "predicted_moments": _top_moments(s, pol),
         }
         log(f"{name}: planned in {res[name]['plan_s']} s: {pol.summary()}")
         sessions[name] = s
@@ -208,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     least_off = plan("least_offload", 1, offload=True)
     if plan("adacc_offload", budget, offload=True) and least_off:
         plan("adacc_offload_least", least_off, offload=True)
+    plan("adacc_no_offload", budget, offload=False)
     if least_no and least_off and least_off < least_no:
         plan("adacc_offload_tight", (least_no + least_off) // 2, offload=True)
 

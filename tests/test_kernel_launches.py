@@ -201,7 +201,8 @@ def test_selection_kernel_selects_nothing_without_spread_or_outliers(monkeypatch
         assert idx.tolist() == [-1, -1, -1] and count.item() == 0
         assert slot.tolist() == [-1] * 40 and slot.dtype == torch.int8
     assert (
-        torch.isneginf(z).sum() == 0 and torch.isneginf(_select(torch.ones(2, 40), 3.0, 3)[3]).all()
+        torch.isneginf(z).sum() == 0
+        and torch.isneginf(_select(torch.ones(2, 40, device=DEVICE), 3.0, 3)[3]).all()
     )
 
 
