@@ -18,7 +18,7 @@ from adacc_hf.errors import AdaccError, BudgetError
 from adacc_hf.runtime.head import HeadPatch, chunked_head_problem
 from adacc_hf.runtime.head_loss import HAS_TORCH_CHUNKED
 from adacc_hf.schema import Profile
-from adacc_hf.solver import estimate_static_memory, min_budget, solve
+from adacc_hf.solver import estimate_static_memory, min_budget, predict, solve
 
 PATHS = [pytest.param(True, id="torch"), pytest.param(False, id="fallback")]
 GRAD_TOL = 1e-5
@@ -227,6 +227,28 @@ def test_auto_head_fits_a_budget_only_the_chunked_head_fits_and_the_step_measure
     peak = measure_step_peak(model, batch, torch.optim.SGD(model.parameters(), lr=0.0))
     session.close()
     assert peak.peak_nbytes <= budget, (peak.peak_nbytes, budget)
+
+
+@pytest.mark.parametrize("action", ["retain", "recompute"])
+def test_the_step_peak_with_the_chunked_head_is_predicted_within_5_percent(action):
+    """The chunked head holds no logits after forward, so its backward rises from a level without
+    them (a model that counted the model's own logits there over-predicted SmolLM2 at 16k tokens
+    on a GPU by 2x, at 4k on a CPU by 15 %); against the step measured."""
+    model = assets.tiny_model(
+        "llama", vocab_size=16000, hidden_size=32, intermediate_size=64, num_hidden_layers=2
+    )
+    batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=128)
+    prof = profile_model(model, batch, repeats=1)
+    static = estimate_static_memory(model, optimizer="sgd")
+    policy = uniform_policy(model, action, batch)
+    policy.head = "chunked"
+    pred = predict(prof, policy, static)
+    handle = apply_adacc(model, policy)
+    peak = measure_step_peak(model, batch, torch.optim.SGD(model.parameters(), lr=0.0))
+    handle.remove()
+    assert abs(pred.peak_nbytes - peak.peak_nbytes) <= 0.05 * peak.peak_nbytes, (
+        pred.moment, pred.peak_nbytes, peak.peak_nbytes, peak.phases
+    )  # fmt: skip
 
 
 def test_profiling_draws_no_random_numbers_the_run_would_see():

@@ -141,11 +141,17 @@ def head_shift(profile: Profile, head: str) -> HeadCost:
     )
 
 
+def forward_end(profile: Profile, tl: Timeline, head: str) -> int:
+    """The timeline's level when forward ends (the loss computed), `head` in place of the model's
+    own: what the head holds for its backward moves it (the model's logits, or nothing)."""
+    return tl.loss_peak - profile.forward_transient_nbytes + head_shift(profile, head).held
+
+
 def head_peaks(profile: Profile, tl: Timeline, head: str) -> tuple[int, int]:
     """The timeline's (loss_peak, head_peak) with `head` in place of the model's own: each moves
     by the head's peak difference, and stays at least the level forward ends at."""
     shift = head_shift(profile, head)
-    end = tl.loss_peak - profile.forward_transient_nbytes + shift.held
+    end = forward_end(profile, tl, head)
     return (
         max(tl.loss_peak + shift.forward_peak, end),
         max(tl.head_peak + shift.backward_peak, end),
@@ -269,8 +275,7 @@ def step_peak(
     moments["forward"] = resident + acc + loss_peak + before + ex.loss
     # In a later micro-batch the head's new gradients (in the timeline's head peak, where they
     # become the gradients) are transients beside every accumulated gradient.
-    end = tl.loss_peak - profile.forward_transient_nbytes  # the level forward ends at
-    head_peak = max(head_peak, end + ex.head_floor)
+    head_peak = max(head_peak, forward_end(profile, tl, head) + ex.head_floor)
     moments["head"] = resident + acc + head_peak + total + ex.head
     for j in range(len(blocks) - 1, -1, -1):
         b, g = blocks[j], groups[j]
