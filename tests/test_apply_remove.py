@@ -92,24 +92,22 @@ def test_hf_gradient_checkpointing_already_on_is_refused(tiny):
     apply_adacc(model, policy).remove()
 
 
-def test_torch_compile_is_refused_with_a_clear_error(tiny):
-    """Compiled before adacc: refused at apply time. Compiled after: the first forward raises
-    (dynamo would otherwise fall back to running the blocks eagerly, silently)."""
+def test_a_model_compiled_before_adacc_is_patched_through_its_wrapper(tiny):
+    """``torch.compile(model)`` first, adacc second: the wrapper's model is patched, and the
+    compiled forward traces the policy (tests/test_compile.py checks what it runs); a
+    compressing policy is refused when traced, and the uncompiled model still trains."""
     model, batch = tiny
-    policy = uniform_policy(model, "compress", batch)
-    with pytest.raises(AdaccError, match="torch.compile.*docs/compile.md"):
-        apply_adacc(torch.compile(model, backend="eager"), policy)
-    with apply_adacc(model, policy):
-        compiled = torch.compile(model, backend="eager")
+    compiled = torch.compile(model, backend="aot_eager")
+    handle = apply_adacc(compiled, uniform_policy(model, "recompute", batch))
+    assert handle.model is model and handle.runtimes
+    compiled(**batch).loss.backward()
+    handle.remove()
+    torch._dynamo.reset()
+    with apply_adacc(model, uniform_policy(model, "compress", batch)):
         with pytest.raises(AdaccError, match="torch.compile"):
-            compiled(**batch)
-        step(model, batch)  # the uncompiled model still trains
-    model.compile(backend="eager")
-    try:
-        with pytest.raises(AdaccError, match="torch.compile"):
-            apply_adacc(model, policy)
-    finally:
-        model._compiled_call_impl = None
+            torch.compile(model, backend="aot_eager")(**batch)
+        step(model, batch)
+    torch._dynamo.reset()
 
 
 def test_unsupported_model_names_the_supported_families():

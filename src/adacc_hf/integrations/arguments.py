@@ -200,9 +200,10 @@ class AdaccTrainingArguments(TrainingArguments):
             )
         if getattr(self, "torch_compile", False):
             raise AdaccError(
-                "adacc does not run under torch.compile yet (its per-op runtime is a pair of "
-                "Python dispatch modes dynamo cannot trace): drop --torch_compile (or set "
-                "adacc=False); see docs/compile.md"
+                "adacc's Trainer integration does not plan for torch.compile yet (it profiles "
+                "and re-plans inside training forwards, which compile would trace): drop "
+                "--torch_compile (or set adacc=False). A custom loop can compile after "
+                "prepare(..., codecs=[], offload=False); see docs/compile.md"
             )
         fsdp_config = getattr(self, "fsdp_config", None) or {}
         if fsdp_config.get("activation_checkpointing"):

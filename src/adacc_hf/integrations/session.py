@@ -28,6 +28,7 @@ from ..profiler.phases import format_phases, recording
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.allocator import use_expandable_segments
 from ..runtime.capacity import oom_count
+from ..runtime.checkpoint import own_eager_runs
 from ..runtime.peak import live_state_nbytes
 from ..runtime.trace import outside_autocast
 from ..schema import Profile
@@ -266,17 +267,22 @@ class AdaccSession(StepHooks):
             self.check_oom()
             if self.config.autocast is None and not self.fixed:
                 self.follow_autocast()
-            if self.current is None or not self.active:
-                self.setup(batch, forward=True)
-            else:
-                self.use(self.plan(batch))
+            with own_eager_runs():
+                if self.current is None or not self.active:
+                    self.setup(batch, forward=True)
+                else:
+                    self.use(self.plan(batch))
             self.derived_check.step_uses(self.current, self.device)
             head = self.handle.head if self.handle is not None else None
             if head is not None:  # installed in this hook: torch will not call its pre-hook now
                 head.arm(module, kwargs)
             return args, kwargs
 
-        self._hook = self.model.register_forward_pre_hook(before_forward, with_kwargs=True)
+        # Under torch.compile the hook runs eagerly (a graph break before the model): planning
+        # profiles, solves and patches, none of which a compiled graph may trace.
+        self._hook = self.model.register_forward_pre_hook(
+            torch.compiler.disable(before_forward), with_kwargs=True
+        )
 
     def detach_hook(self) -> None:
         if self._hook is not None:

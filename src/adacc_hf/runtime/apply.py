@@ -9,7 +9,7 @@ from torch import nn
 from ..adapters import get_adapter, unwrap_model
 from ..errors import AdaccError, AlreadyAppliedError
 from ..policy import Policy
-from .checkpoint import _COMPILE_MSG, BlockRuntime
+from .checkpoint import BlockRuntime
 from .head import HeadPatch
 from .offload import HostStore
 
@@ -157,11 +157,6 @@ def _gradient_checkpointing_layer() -> type:
     return GradientCheckpointingLayer
 
 
-def _compiled(model: nn.Module) -> bool:
-    """``torch.compile(model)`` (a wrapper with ``_orig_mod``) or ``model.compile()``."""
-    return hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
-
-
 def apply_adacc(model: nn.Module, policy: Policy, host_cap: int | None = None) -> AdaccHandle:
     """Make every transformer block of `model` run `policy`. Returns a handle to undo it.
 
@@ -169,10 +164,10 @@ def apply_adacc(model: nn.Module, policy: Policy, host_cap: int | None = None) -
     memory available when the first offloading policy is installed; `runtime.offload`).
 
     Works on plain transformers models and on PEFT-wrapped ones; patches only this instance.
-    A compiled model (``torch.compile``) is refused: see docs/compile.md.
+    A model compiled with ``torch.compile`` (before or after) runs the policy's retain /
+    recompute decisions as selective-checkpoint tags; compression and offload are refused when
+    the block is traced (docs/compile.md).
     """
-    if _compiled(model):
-        raise AdaccError(_COMPILE_MSG)
     base = unwrap_model(model)
     existing = base.__dict__.get(_HANDLE_ATTR)
     if existing is not None and existing.active:

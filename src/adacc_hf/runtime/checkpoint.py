@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ from torch.utils.checkpoint import checkpoint
 from ..codecs import Codec, get_codec
 from ..errors import AdaccError
 from ..schema import Action, GroupPolicy, Variant
+from .compiled import compile_refusal, contexts, wanted
+from .compiled import refuse as compiled_refusal
 from .modes import _Run
 from .offload import Frame, HostStore
 from .peak import AllocationTracker
@@ -37,17 +40,31 @@ from .slots import SlotTable, call_signature, spec_signature
 logger = logging.getLogger("adacc_hf")
 MAX_TABLES = 64  # slot tables kept per block (op list, variant, call signature), oldest out
 _COMPILE_MSG = (
-    "adacc does not run under torch.compile (its per-op runtime is a pair of Python dispatch "
-    "modes that dynamo cannot trace): leave torch_compile off, or run without adacc; see "
-    "docs/compile.md"
+    "an adacc block ran eagerly inside a compiled model (a graph break at the block): its eager "
+    "runtime is a pair of Python dispatch modes the compiled model's ops were not planned for. "
+    "Compile the whole model or its blocks without graph breaks (torch._dynamo.explain names "
+    "them), or leave torch.compile off; see docs/compile.md"
 )
 
 
-def _under_compile(root: Any) -> bool:
-    """Whether this call comes from ``torch.compile``: dynamo tracing it, an eager fallback
-    inside a compiled module (``torch.compile(model)``), or ``model.compile()``."""
-    if torch.compiler.is_compiling():
-        return True
+_OWN_RUNS = [0]  # >0 while adacc runs blocks itself (planning inside a compiled model's hook)
+
+
+@contextlib.contextmanager
+def own_eager_runs() -> Iterator[None]:
+    """Block calls of adacc's own (profiling, timing): eager even inside a compiled model."""
+    _OWN_RUNS[0] += 1
+    try:
+        yield
+    finally:
+        _OWN_RUNS[0] -= 1
+
+
+def _eager_in_compiled(root: Any) -> bool:
+    """Whether this eager call comes from inside ``torch.compile``: an eager fallback inside a
+    compiled module (``torch.compile(model)``), or ``model.compile()``; never adacc's own runs."""
+    if _OWN_RUNS[0]:
+        return False
     ef = sys.modules.get("torch._dynamo.eval_frame")
     if ef is not None and getattr(ef, "_is_in_optimized_module", lambda: False)():
         return True
@@ -84,6 +101,7 @@ class BlockRuntime:
         self._skey = 0
         self._unstable: set[tuple] = set()  # signatures whose op sequence changed in a bucket
         self.host: HostStore | None = None  # set by apply where a policy offloads anything
+        self.version = 0  # bumped by every variant: compiled graphs guard on it
         self.set_variant(variant, gp)
 
     def set_variant(self, variant: Variant, gp: GroupPolicy | None = None) -> None:
@@ -94,9 +112,12 @@ class BlockRuntime:
             self._spec = {s.key: s for s in self.specs}
             sig = spec_signature(self.specs)
             self._skey = self._spec_ids.setdefault(sig, len(self._spec_ids))
+        self.version += 1
         self.actions: dict[str, Action] = dict(variant.actions)
         self._vkey = tuple(sorted((k, a) for k, a in self.actions.items() if a.kind != "recompute"))
         self.keeps_any = bool(self._vkey)
+        # under torch.compile: the retained ops as selective-checkpoint tags (`compiled`)
+        self._tags = functools.partial(contexts, wanted(self.specs, self.actions))
         self.offload_input = variant.offload_input
         self.offloads = variant.offloads
 
@@ -115,8 +136,11 @@ class BlockRuntime:
         self._unstable.clear()
 
     def __call__(self, fn, *args):
-        if _under_compile(self.root):
-            raise AdaccError(_COMPILE_MSG)
+        if torch.compiler.is_compiling():
+            return self._compiled(fn, args)
+        if _eager_in_compiled(self.root):  # dynamo fell back to eager here (a raise traced too)
+            reason = compile_refusal(self.path, self.actions, self.offload_input)
+            raise compiled_refusal(reason) if reason else AdaccError(_COMPILE_MSG)
         if not self.offloads or not torch.is_grad_enabled():
             return self._run(fn, args, None)
         if self.host is None:
@@ -126,6 +150,20 @@ class BlockRuntime:
             return self._run(fn, args, frame)
         with self._parked_input(frame, args):
             return self._run(fn, args, frame)
+
+    def _compiled(self, fn, args: tuple):
+        """Traced by torch.compile: the variant as selective-checkpoint tags (`compiled`). The
+        variant's number is read here, so dynamo guards on it: a new policy recompiles."""
+        if self.version < 0:  # never: the read is what makes the guard
+            raise AssertionError
+        reason = compile_refusal(self.path, self.actions, self.offload_input)
+        if reason is not None:
+            raise compiled_refusal(reason)
+        if not self.keeps_any:
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(
+            fn, *args, use_reentrant=False, context_fn=self._tags, preserve_rng_state=True
+        )
 
     def _parked_input(self, frame: Frame, args: tuple) -> Any:
         """Park the block's input (its first positional tensor: the hidden states) where the

@@ -77,8 +77,8 @@ class _Run:
 
 class _FastMode(TorchDispatchMode):
     """A dispatch mode without torch's per-op ``_disable_dynamo`` wrapper (``set_eval_frame``
-    twice per op, about half the crossing's cost). Safe here: adacc refuses torch.compile, and
-    nothing under these modes compiles."""
+    twice per op, about half the crossing's cost). Safe here: under torch.compile blocks run
+    selective-checkpoint tags (`compiled`), never these modes."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

@@ -1,0 +1,135 @@
+"""Adacc under torch.compile: a policy's retain / recompute decisions as selective-checkpoint tags.
+
+Truth: the same policy run eagerly (itself checked against the unpatched model elsewhere). With
+``aot_eager`` the compiled step runs the very aten ops of the trace, so gradients are equal bit for
+bit; inductor fuses pointwise ops and reorders fp32 sums, so there each parameter's gradient is
+held to 1e-5 of its largest entry (seen: 5e-7). Dropout is off (attention dropout 0): a compiled
+graph draws its own random numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import adacc_hf.runtime.compiled as compiled
+from adacc_hf import apply_adacc, assets, attention_recompute_policy, prepare, uniform_policy
+from adacc_hf.errors import AdaccError
+from adacc_hf.schema import Action
+from adacc_hf.solver.step import extreme_peaks
+
+RECOMPUTE = Action.recompute()
+
+
+def _model(family: str):
+    model = assets.tiny_model(family)
+    for m in model.modules():
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    model.train()
+    return model, assets.tiny_batch(family, model, batch_size=2, seq_len=16)
+
+
+def _grads(call, model, batch) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    call(**batch).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_close(got: dict, want: dict, tol: float) -> None:
+    assert got.keys() == want.keys()
+    for name, ref in want.items():
+        err = (got[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+        assert err <= tol, f"{name}: {err:.2e}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    compiled.RECORD = None
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_compiled_adacc_gives_eager_adaccs_gradients_and_saves_what_the_policy_retains(family):
+    model, batch = _model(family)
+    policy = attention_recompute_policy(model, batch)  # checkpointed blocks that retain ops
+    handle = apply_adacc(model, policy)
+    eager = _grads(model, model, batch)
+    compiled.RECORD = []
+    got = _grads(torch.compile(model, backend="aot_eager"), model, batch)
+    _assert_close(got, eager, 0.0)
+    rt = next(iter(handle.runtimes.values()))  # the tiny models' blocks are alike
+    retained = [
+        s.aten
+        for s in rt.specs
+        if rt.actions.get(s.key, RECOMPUTE).kind == "retain" and not s.rng_states
+    ]
+    assert retained, "the policy retains nothing: nothing to tag"
+    assert compiled.RECORD, "no block was traced with selective-checkpoint tags"
+    for aligner in compiled.RECORD:  # every traced pass of every block
+        assert aligner.pos == len(aligner.wanted)  # walked the policy to its end
+        assert aligner.saved == retained  # tagged MUST_SAVE: exactly the retained ops
+    handle.remove()
+
+
+@pytest.mark.slow  # ~30 s: an inductor compile on the shared CPU
+def test_inductor_gradients_equal_eager_adaccs_within_fp32_reassociation():
+    model, batch = _model("llama")
+    handle = apply_adacc(model, attention_recompute_policy(model, batch))
+    eager = _grads(model, model, batch)
+    got = _grads(torch.compile(model), model, batch)
+    _assert_close(got, eager, 1e-5)
+    handle.remove()
+
+
+def test_a_new_policy_recompiles_and_trains_with_its_own_tags():
+    model, batch = _model("llama")
+    attn = attention_recompute_policy(model, batch)
+    handle = apply_adacc(model, attn)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(model, backend=counter)
+    _grads(step, model, batch)
+    frames = counter.frame_count
+    handle.set_policy(uniform_policy(model, "recompute", batch))
+    full = _grads(model, model, batch)
+    assert counter.frame_count == frames  # eager call: nothing compiled
+    _assert_close(_grads(step, model, batch), full, 0.0)
+    assert counter.frame_count > frames  # the variant's guard failed: traced again
+    handle.remove()
+
+
+def test_compression_and_offload_are_refused_when_traced_naming_the_op():
+    model, batch = _model("llama")
+    handle = apply_adacc(model, uniform_policy(model, "compress", batch))
+    step = torch.compile(model, backend="aot_eager")
+    with pytest.raises(AdaccError, match=r"op .* is planned as compress.*codecs=\[\]"):
+        step(**batch)
+    handle.remove()
+    _grads(step, model, batch)  # unpatched: compiles and trains
+
+
+@pytest.mark.slow  # ~40 s: two sessions profile the tiny llama
+def test_a_session_plans_each_new_bucket_eagerly_and_its_compiled_steps_train():
+    """`prepare` then `torch.compile`: the session's hook runs outside the compiled graph, so a
+    new batch shape is profiled and planned eagerly (inside the compiled model's call), and the
+    compiled step runs its plan: the gradients of eager and compiled calls are equal."""
+    model, batch = _model("llama")
+    kw = dict(optimizer="sgd", adaptive=False, codecs=[], offload=False, profile_repeats=1)
+    session = prepare(model, "100GiB", batch, **kw)
+    lo, hi = extreme_peaks(session.profile, session._static(), 1, "full")
+    session.close()
+    session = prepare(model, (lo.peak_nbytes + hi.peak_nbytes) // 2, batch, **kw)
+    step = torch.compile(model, backend="aot_eager")
+    _assert_close(_grads(step, model, batch), _grads(model, model, batch), 0.0)
+    longer = assets.tiny_batch("llama", model, batch_size=2, seq_len=24)
+    plans = len(session.plans)
+    compiled_grads = _grads(step, model, longer)  # planned in the hook, then traced
+    assert len(session.plans) == plans + 1
+    _assert_close(compiled_grads, _grads(model, model, longer), 0.0)
+    session.close()
