@@ -118,18 +118,24 @@ def test_compression_and_offload_are_refused_when_traced_naming_the_op():
 def test_a_session_plans_each_new_bucket_eagerly_and_its_compiled_steps_train():
     """`prepare` then `torch.compile`: the session's hook runs outside the compiled graph, so a
     new batch shape is profiled and planned eagerly (inside the compiled model's call), and the
-    compiled step runs its plan: the gradients of eager and compiled calls are equal."""
+    compiled step runs its plan: the gradients of eager and compiled calls are equal. Going back
+    to a bucket planned before recompiles nothing (recompiles are bounded by the buckets)."""
     model, batch = _model("llama")
     kw = dict(optimizer="sgd", adaptive=False, codecs=[], offload=False, profile_repeats=1)
     session = prepare(model, "100GiB", batch, **kw)
     lo, hi = extreme_peaks(session.profile, session._static(), 1, "full")
     session.close()
     session = prepare(model, (lo.peak_nbytes + hi.peak_nbytes) // 2, batch, **kw)
-    step = torch.compile(model, backend="aot_eager")
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(model, backend=counter)
     _assert_close(_grads(step, model, batch), _grads(model, model, batch), 0.0)
     longer = assets.tiny_batch("llama", model, batch_size=2, seq_len=24)
     plans = len(session.plans)
     compiled_grads = _grads(step, model, longer)  # planned in the hook, then traced
     assert len(session.plans) == plans + 1
     _assert_close(compiled_grads, _grads(model, model, longer), 0.0)
+    frames = counter.frame_count
+    for b in (batch, longer, batch, longer):  # back and forth: each bucket's graph is cached
+        _grads(step, model, b)
+    assert counter.frame_count == frames, "a bucket seen before was compiled again"
     session.close()

@@ -101,7 +101,8 @@ class BlockRuntime:
         self._skey = 0
         self._unstable: set[tuple] = set()  # signatures whose op sequence changed in a bucket
         self.host: HostStore | None = None  # set by apply where a policy offloads anything
-        self.version = 0  # bumped by every variant: compiled graphs guard on it
+        self.version = 0  # the variant's number (op list and kept ops): compiled graphs guard on it
+        self._versions: dict[tuple, int] = {}
         self.set_variant(variant, gp)
 
     def set_variant(self, variant: Variant, gp: GroupPolicy | None = None) -> None:
@@ -112,14 +113,17 @@ class BlockRuntime:
             self._spec = {s.key: s for s in self.specs}
             sig = spec_signature(self.specs)
             self._skey = self._spec_ids.setdefault(sig, len(self._spec_ids))
-        self.version += 1
         self.actions: dict[str, Action] = dict(variant.actions)
         self._vkey = tuple(sorted((k, a) for k, a in self.actions.items() if a.kind != "recompute"))
         self.keeps_any = bool(self._vkey)
-        # under torch.compile: the retained ops as selective-checkpoint tags (`compiled`)
-        self._tags = functools.partial(contexts, wanted(self.specs, self.actions))
         self.offload_input = variant.offload_input
         self.offloads = variant.offloads
+        # the same variant again (a bucket planned before) keeps its number: its compiled graph
+        # is still in dynamo's cache, so switching back recompiles nothing
+        key = (self._skey, self._vkey, self.offload_input)
+        self.version = self._versions.setdefault(key, len(self._versions) + 1)
+        # under torch.compile: the retained ops as selective-checkpoint tags (`compiled`)
+        self._tags = functools.partial(contexts, wanted(self.specs, self.actions))
 
     def codec(self, action: Action) -> Codec:
         c = self._codecs.get(action)
