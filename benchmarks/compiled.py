@@ -1,0 +1,141 @@
+"""Adacc under ``torch.compile`` against compiled HF checkpointing, at one budget, side by side.
+
+    python benchmarks/compiled.py --out benchmarks/results/compiled-cpu.json
+
+One model of the CPU preset (default llama-cpu, 4 x 256), AdamW with its states present. The
+budget is `--fraction` of the way from full recomputation's predicted step peak to no
+checkpointing's. Each way runs on its own copy of the same weights, all alive at once:
+
+* ``hf_full_compiled``: transformers' full checkpointing, then ``torch.compile(model)``;
+* ``adacc_compiled``: `prepare(..., codecs=[], offload=False)` at the budget, then
+  ``torch.compile(model)`` (retain / recompute as selective-checkpoint tags);
+* ``adacc_eager``: the same plan, not compiled.
+
+Every way's step peak is measured (`measure_step_peak`, every allocation; the plan's prediction
+beside Adacc's), then steps are timed in interleaved rounds (one step of each way per round) and
+the per-round ratios compared (median, 90 % bootstrap interval, and a verdict against a bar:
+Adacc compiled >= 0.98x HF full compiled and >= 1x Adacc eager; `benchmarks.harness.stats`).
+Compile time is outside the rounds (two warm-up steps each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.append(str(ROOT))
+
+from adacc_hf import measure_step_peak, prepare  # noqa: E402
+from adacc_hf.solver.step import extreme_peaks  # noqa: E402
+from benchmarks.harness.models import find_specs  # noqa: E402
+from benchmarks.harness.stats import bootstrap, verdict  # noqa: E402
+
+MiB = 2**20
+KW = dict(adaptive=False, codecs=[], offload=False, profile_repeats=1)
+
+
+def _optimizer(model) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def _step(call, batch, opt) -> float:
+    t0 = time.perf_counter()
+    call(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-cpu")
+    p.add_argument("--fraction", type=float, default=0.5)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    (spec,) = find_specs("cpu", [args.model])
+    base, _ = spec.build(torch.device("cpu"), torch.float32)
+    base.train()
+    batch = spec.batch(base, spec.main_batch)
+    res: dict = {
+        "model": spec.name,
+        "batch": [spec.main_batch, spec.seq_len],
+        "fraction": args.fraction,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "command": "python benchmarks/compiled.py " + " ".join(argv or sys.argv[1:]),
+    }
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+    probe = copy.deepcopy(base)
+    s = prepare(probe, "100GiB", batch, optimizer="adamw_torch", **KW)
+    lo, hi = extreme_peaks(s.profile, s._static(), 1, "full")
+    s.close()
+    budget = int(lo.peak_nbytes + args.fraction * (hi.peak_nbytes - lo.peak_nbytes))
+    res["budget_nbytes"] = budget
+    log(f"budget {budget / MiB:.1f} MiB ({args.fraction:g} of the way)")
+
+    ways: dict[str, tuple] = {}
+    hf = copy.deepcopy(base)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ways["hf_full_compiled"] = (torch.compile(hf), hf, _optimizer(hf))
+    sessions = []
+    for name, compiled in (("adacc_compiled", True), ("adacc_eager", False)):
+        m = copy.deepcopy(base)
+        o = _optimizer(m)
+        sessions.append(prepare(m, budget, batch, optimizer=o, **KW))
+        ways[name] = (torch.compile(m) if compiled else m, m, o)
+    for name, session in zip(("adacc_compiled", "adacc_eager"), sessions, strict=True):
+        policy = session.handle.policy  # each session plans for itself (timings may differ)
+        res[f"{name}_policy"] = policy.summary()
+        res[f"{name}_predicted_nbytes"] = policy.metadata.get("predicted", {}).get("peak_nbytes")
+    res["peaks"], res["compile_s"] = {}, {}
+    for name, (call, _, opt) in ways.items():
+        t0 = time.perf_counter()
+        _step(call, batch, opt)
+        res["compile_s"][name] = round(time.perf_counter() - t0, 1)
+        measure_step_peak(call, batch, opt)
+        peak = measure_step_peak(call, batch, opt).peak_nbytes
+        res["peaks"][name] = {"peak_nbytes": peak, "fits": peak <= budget}
+        log(f"{name}: first step {res['compile_s'][name]} s, peak {peak / MiB:.1f} MiB")
+    times: dict[str, list[float]] = {n: [] for n in ways}
+    for _ in range(args.rounds):
+        for name, (call, _, opt) in ways.items():
+            times[name].append(_step(call, batch, opt))
+    med = {n: statistics.median(t) for n, t in times.items()}
+    res["step_s_median"] = med
+    res["step_s_all"] = times
+    res["ratios"], res["verdicts"] = {}, {}
+    for other, bar in (("hf_full_compiled", 0.98), ("adacc_eager", 1.0)):
+        # paired per round: the other way's step time over compiled Adacc's (> 1: Adacc faster)
+        paired = [a / b for a, b in zip(times[other], times["adacc_compiled"], strict=True)]
+        lo, hi = bootstrap(paired)
+        key = f"adacc_compiled_vs_{other}"
+        res["ratios"][key] = statistics.median(paired)
+        res["verdicts"][key] = {"interval": [lo, hi], "bar": bar, "verdict": verdict(lo, hi, bar)}
+    log(f"median step s: {med}; speed ratios: {res['ratios']}; verdicts: {res['verdicts']}")
+    for s in sessions:
+        s.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
