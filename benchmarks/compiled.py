@@ -40,20 +40,13 @@ if __package__ in (None, ""):
 from adacc_hf import measure_step_peak, prepare  # noqa: E402
 from adacc_hf.solver.step import extreme_peaks  # noqa: E402
 from benchmarks.harness.models import find_specs  # noqa: E402
+from benchmarks.harness.patching import hf_enable  # noqa: E402
 from benchmarks.harness.stats import bootstrap, verdict  # noqa: E402
+from benchmarks.harness.steps import optimizer_with_states  # noqa: E402
 
 MiB = 2**20
 KW = dict(adaptive=False, codecs=[], offload=False, profile_repeats=1)
 COMPILE_FRACTIONS = (1.0, 0.5, 0.25, 0.0)  # what a user would try, in order
-
-
-def _optimizer(model) -> torch.optim.Optimizer:
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return opt
 
 
 def _step(call, batch, opt) -> float:
@@ -79,7 +72,7 @@ def _compile_budget(base, batch, budget: int) -> tuple[tuple | None, dict[float,
             torch._dynamo.reset()
             functorch_config.activation_memory_budget = fraction
             model = copy.deepcopy(base)
-            opt = _optimizer(model)
+            opt = optimizer_with_states(model)
             call = torch.compile(model)
             _step(call, batch, opt)
             measure_step_peak(call, batch, opt)
@@ -132,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         res["compile_budget_fraction"] = chosen[3]
     log(f"compile budget: peaks by fraction {res['compile_budget_tried']}")
     hf = copy.deepcopy(base)
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ways["hf_full_compiled"] = (torch.compile(hf), hf, _optimizer(hf))
+    hf_enable(hf, offload=False)
+    ways["hf_full_compiled"] = (torch.compile(hf), hf, optimizer_with_states(hf))
     sessions = []
     for name, compiled in (("adacc_compiled", True), ("adacc_eager", False)):
         m = copy.deepcopy(base)
-        o = _optimizer(m)
+        o = optimizer_with_states(m)
         sessions.append(prepare(m, budget, batch, optimizer=o, **KW))
         ways[name] = (torch.compile(m) if compiled else m, m, o)
     for name, session in zip(("adacc_compiled", "adacc_eager"), sessions, strict=True):

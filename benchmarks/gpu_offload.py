@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
@@ -47,40 +46,12 @@ from adacc_hf.runtime.offload import measure_link  # noqa: E402
 from adacc_hf.solver.cost_model import predict  # noqa: E402
 from benchmarks.harness.env import device_tag, header  # noqa: E402
 from benchmarks.harness.models import SMOLLM2_CONFIG, ModelSpec, find_specs  # noqa: E402
+from benchmarks.harness.patching import hf_enable  # noqa: E402
 from benchmarks.harness.report import write_json  # noqa: E402
+from benchmarks.harness.steps import optimizer_with_states  # noqa: E402
 
 MiB = 2**20
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def _hf(model, offload: bool) -> str:
-    """transformers' full checkpointing; with `offload`, its ``offload=True`` (before transformers
-    has it: the same hook, `save_on_cpu` with pinned memory around each layer's checkpoint)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(offload=offload)
-        return f"activation_checkpointing_enable(offload={offload})"
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not offload:
-        return "gradient_checkpointing_enable()"
-
-    def offloaded(function, *args, **kwargs):
-        with torch.autograd.graph.save_on_cpu(pin_memory=True):
-            return checkpoint(function, *args, use_reentrant=False, **kwargs)
-
-    for m in model.modules():
-        if getattr(m, "gradient_checkpointing", False):
-            m._gradient_checkpointing_func = offloaded
-    return "gradient_checkpointing_enable() + save_on_cpu(pin_memory=True) per layer"
-
-
-def _optimizer(model, fused: bool) -> torch.optim.Optimizer:
-    """AdamW with its states present (one zero step at lr 0), as in a running fine-tune."""
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0, **({"fused": True} if fused else {}))
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return opt
 
 
 def _batch(vocab: int, n: int, device) -> dict:
@@ -176,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     def fresh():
         m = copy.deepcopy(base).to(device=device, dtype=dtype)
         m.train()
-        return m, _optimizer(m, fused=cuda)
+        return m, optimizer_with_states(m, fused=cuda)
 
     hf, hf_opt = fresh()
-    res["hf_full_how"] = _hf(hf, offload=False)
+    hf_enable(hf, offload=False)
     budget_row = _peak(hf, _batch(vocab, short, device), hf_opt)
     budget = budget_row["peak_nbytes"]
     res["budget_nbytes"] = budget
@@ -187,13 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"budget {budget / MiB:.1f} MiB ({res['budget_how']})")
     batch = _batch(vocab, long, device)
     models: dict[str, tuple[Any, Any]] = {"hf_full": (hf, hf_opt)}
-    if cuda:  # transformers' offload=True pins host memory: CUDA only
+    if cuda:  # on a CPU the host is the device: offload would move nothing off it
         m, o = fresh()
-        try:
-            res["hf_offload_how"] = _hf(m, offload=True)
-            models["hf_offload"] = (m, o)
-        except (AttributeError, TypeError, RuntimeError) as e:
-            res["hf_offload_how"] = f"unavailable: {e}"
+        hf_enable(m, offload=True)  # transformers' offload=True, or its hook where it predates it
+        models["hf_offload"] = (m, o)
     sessions: dict[str, Any] = {}
 
     def plan(name: str, budget_nbytes: int, offload: bool) -> int | None:

@@ -6,6 +6,8 @@ import torch
 
 from adacc_hf import assets
 
+from .steps import optimizer_with_states
+
 
 def text_ids(tokenizer, n_tokens: int) -> torch.Tensor:
     """The first `n_tokens` tokens of the Shakespeare text."""
@@ -26,9 +28,4 @@ def model_and_optimizer(attn_implementation: str | None = None):
     taken on the weights (learning rate 0)."""
     model, _ = assets.load_smollm2(attn_implementation=attn_implementation)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return model, opt
+    return model, optimizer_with_states(model)

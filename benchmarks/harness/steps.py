@@ -22,6 +22,17 @@ from adacc_hf.runtime.timing import time_call
 from .prepared import Prepared
 
 
+def optimizer_with_states(model: nn.Module, *, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW (learning rate 0) whose states exist, as in a running fine-tune: one step on zero
+    gradients, which leaves the weights as they are."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, **({"fused": True} if fused else {}))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
 def loss_of(out: Any) -> torch.Tensor:
     return out["loss"] if isinstance(out, Mapping) else out[0]
 

@@ -122,8 +122,10 @@ class BlockRuntime:
         # is still in dynamo's cache, so switching back recompiles nothing
         key = (self._skey, self._vkey, self.offload_input)
         self.version = self._versions.setdefault(key, len(self._versions) + 1)
-        # under torch.compile: the retained ops as selective-checkpoint tags (`compiled`)
+        # under torch.compile: the retained ops as selective-checkpoint tags (`compiled`), or why
+        # the variant has no such form
         self._tags = functools.partial(contexts, wanted(self.specs, self.actions))
+        self._refusal = compile_refusal(self.path, self.actions, self.offload_input)
 
     def codec(self, action: Action) -> Codec:
         c = self._codecs.get(action)
@@ -143,8 +145,7 @@ class BlockRuntime:
         if torch.compiler.is_compiling():
             return self._compiled(fn, args)
         if _eager_in_compiled(self.root):  # dynamo fell back to eager here (a raise traced too)
-            reason = compile_refusal(self.path, self.actions, self.offload_input)
-            raise compiled_refusal(reason) if reason else AdaccError(_COMPILE_MSG)
+            raise compiled_refusal(self._refusal) if self._refusal else AdaccError(_COMPILE_MSG)
         if not self.offloads or not torch.is_grad_enabled():
             return self._run(fn, args, None)
         if self.host is None:
@@ -160,9 +161,8 @@ class BlockRuntime:
         variant's number is read here, so dynamo guards on it: a new policy recompiles."""
         if self.version < 0:  # never: the read is what makes the guard
             raise AssertionError
-        reason = compile_refusal(self.path, self.actions, self.offload_input)
-        if reason is not None:
-            raise compiled_refusal(reason)
+        if self._refusal is not None:
+            raise compiled_refusal(self._refusal)
         if not self.keeps_any:
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
         return checkpoint(
