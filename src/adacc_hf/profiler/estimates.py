@@ -135,7 +135,7 @@ def timeline_rest_nbytes(base: nn.Module, groups: list[BlockGroup], batch: dict)
 
 def to_own_head(mem: StepMemory, heads: dict[str, HeadCost], measured: str) -> None:
     """Move a timeline measured with head `measured` to the model's own head (``"full"``): the
-    inverse of the shift `solver.step.head_peaks` applies for a chosen head."""
+    inverse of the shift `solver.head_moments.head_peaks` applies for a chosen head."""
     if measured == "full":
         return
     own, was = heads["full"], heads[measured]

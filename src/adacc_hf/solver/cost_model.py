@@ -38,13 +38,13 @@ from ..schema import (
     Variant,
     variant_key,
 )
+from .head_moments import head_shift
 from .offload import INPUT, STAGED_BLOCKS, copy_ms, exposed_ms, staging
 from .static import StaticMemory
 from .step import (
     BlockLoad,
     StepEstimate,
     checkpointed_nbytes,
-    head_shift,
     held_in_order,
     in_forward_order,
     step_peak,
@@ -367,7 +367,7 @@ def predict(
     is sized exactly (``Codec.predict_nbytes``) and timed as 0 ms (listed in ``unprofiled``).
     ``static_nbytes``: a `StaticMemory` (gradients, states and optimizer temporaries placed in the
     step), or a number of bytes resident all step long. The policy's LM head (``policy.head``)
-    adds its measured time and bytes beyond the model's own head (`step.head_shift`).
+    adds its measured time and bytes beyond the model's own head (`head_moments.head_shift`).
     A variant timed whole on the profiled block (``profile.variant_ms``) adds that time, unless
     ``measured_ms=False``: the per-op sums alone, as the solver compares its candidates.
     """

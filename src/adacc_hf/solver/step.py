@@ -37,8 +37,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..schema import ALWAYS_RETAIN, GroupProfile, HeadCost, Profile, Timeline
+from ..schema import ALWAYS_RETAIN, GroupProfile, Profile, Timeline
 from .engines import EngineExtras, engine_extras
+from .head_moments import forward_end, head_peaks
 from .offload import staged_ahead
 from .static import StaticMemory
 
@@ -124,37 +125,6 @@ def synthesised_timeline(profile: Profile) -> Timeline:
         head_peak=forward_end + profile.head_transient_nbytes,
         tail_peak=all_grads + before + profile.tail_transient_nbytes,
         grads=grads,
-    )
-
-
-def head_shift(profile: Profile, head: str) -> HeadCost:
-    """`head`'s measured cost minus the model's own (``"full"``, what the timeline measured);
-    zero where either was not measured."""
-    own, chosen = profile.heads.get("full"), profile.heads.get(head)
-    if head == "full" or own is None or chosen is None:
-        return HeadCost(0, 0, 0, 0.0)
-    return HeadCost(
-        chosen.held - own.held,
-        chosen.forward_peak - own.forward_peak,
-        chosen.backward_peak - own.backward_peak,
-        chosen.ms - own.ms,
-    )
-
-
-def forward_end(profile: Profile, tl: Timeline, head: str) -> int:
-    """The timeline's level when forward ends (the loss computed), `head` in place of the model's
-    own: what the head holds for its backward moves it (the model's logits, or nothing)."""
-    return tl.loss_peak - profile.forward_transient_nbytes + head_shift(profile, head).held
-
-
-def head_peaks(profile: Profile, tl: Timeline, head: str) -> tuple[int, int]:
-    """The timeline's (loss_peak, head_peak) with `head` in place of the model's own: each moves
-    by the head's peak difference, and stays at least the level forward ends at."""
-    shift = head_shift(profile, head)
-    end = forward_end(profile, tl, head)
-    return (
-        max(tl.loss_peak + shift.forward_peak, end),
-        max(tl.head_peak + shift.backward_peak, end),
     )
 
 
