@@ -1,6 +1,7 @@
 """Adacc under ``torch.compile`` against compiled HF checkpointing, at one budget, side by side.
 
     python benchmarks/compiled.py --out benchmarks/results/compiled-cpu.json
+    python benchmarks/compiled.py --device cuda --model gpt2-117m --batch 8   # bf16 on a GPU
 
 One model of the CPU preset (default llama-cpu, 4 x 256), AdamW with its states present. The
 budget is `--fraction` of the way from full recomputation's predicted step peak to no
@@ -49,11 +50,18 @@ KW = dict(adaptive=False, codecs=[], offload=False, profile_repeats=1)
 COMPILE_FRACTIONS = (1.0, 0.5, 0.25, 0.0)  # what a user would try, in order
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _step(call, batch, opt) -> float:
+    _sync()
     t0 = time.perf_counter()
     call(**batch).loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    _sync()
     return time.perf_counter() - t0
 
 
@@ -89,15 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="llama-cpu")
     p.add_argument("--fraction", type=float, default=0.5)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 weights there)")
+    p.add_argument("--batch", type=int, default=None, help="micro-batch (default: the model's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     (spec,) = find_specs("cpu", [args.model])
-    base, _ = spec.build(torch.device("cpu"), torch.float32)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base, _ = spec.build(device, dtype)
     base.train()
-    batch = spec.batch(base, spec.main_batch)
+    batch_size = args.batch or spec.main_batch
+    batch = spec.batch(base, batch_size)
     res: dict = {
         "model": spec.name,
-        "batch": [spec.main_batch, spec.seq_len],
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "batch": [batch_size, spec.seq_len],
         "fraction": args.fraction,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -143,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         _step(call, batch, opt)
         res["compile_s"][name] = round(time.perf_counter() - t0, 1)
         measure_step_peak(call, batch, opt)
-        peak = measure_step_peak(call, batch, opt).peak_nbytes
+        measured = measure_step_peak(call, batch, opt)
+        peak = measured.peak_nbytes
         res["peaks"][name] = {"peak_nbytes": peak, "fits": peak <= budget}
+        if device.type == "cuda":  # the caching allocator's reserve beside the allocated peak
+            res["peaks"][name]["reserved_peak_nbytes"] = measured.reserved_peak_nbytes
         log(f"{name}: first step {res['compile_s'][name]} s, peak {peak / MiB:.1f} MiB")
     times: dict[str, list[float]] = {n: [] for n in ways}
     for _ in range(args.rounds):
