@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, compiled in (("adacc_compiled", True), ("adacc_eager", False)):
         m = copy.deepcopy(base)
         o = optimizer_with_states(m)
-        sessions.append(prepare(m, budget, batch, optimizer=o, **KW))
+        kw = {**KW, "compile": "inductor"} if compiled else KW
+        sessions.append(prepare(m, budget, batch, optimizer=o, **kw))
         ways[name] = (torch.compile(m) if compiled else m, m, o)
     for name, session in zip(("adacc_compiled", "adacc_eager"), sessions, strict=True):
         policy = session.handle.policy  # each session plans for itself (timings may differ)

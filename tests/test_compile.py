@@ -14,8 +14,16 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import adacc_hf.runtime.compiled as compiled
-from adacc_hf import apply_adacc, assets, attention_recompute_policy, prepare, uniform_policy
+from adacc_hf import (
+    apply_adacc,
+    assets,
+    attention_recompute_policy,
+    measure_step_peak,
+    prepare,
+    uniform_policy,
+)
 from adacc_hf.errors import AdaccError
+from adacc_hf.integrations.config import AdaccConfig
 from adacc_hf.schema import Action
 from adacc_hf.solver.step import extreme_peaks
 
@@ -139,3 +147,68 @@ def test_a_session_plans_each_new_bucket_eagerly_and_its_compiled_steps_train():
         _grads(step, model, b)
     assert counter.frame_count == frames, "a bucket seen before was compiled again"
     session.close()
+
+
+def _planned(family: str, fraction: float, backend: str, compile_profile: bool = True):
+    """A session planned at `fraction` of the way between the least step peak and no
+    checkpointing's (both from a compile profile), then the model compiled whole with `backend`:
+    (budget, predicted peak, measured peak of a compiled training step with SGD)."""
+    model, batch = _model(family)
+    batch = assets.tiny_batch(family, model, batch_size=4, seq_len=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    kw = dict(optimizer=opt, adaptive=False, codecs=[], offload=False, profile_repeats=1)
+    if compile_profile:
+        kw["compile"] = backend
+    probe = prepare(model, "100GiB", batch, **{**kw, "compile": backend})
+    assert probe.profile.compiled["backend"] == backend
+    lo, hi = extreme_peaks(probe.profile, probe._static(), 1, "full")
+    probe.close()
+    budget = int(lo.peak_nbytes + fraction * (hi.peak_nbytes - lo.peak_nbytes))
+    session = prepare(model, budget, batch, **kw)
+    predicted = session.handle.policy.metadata["predicted"]["peak_nbytes"]
+    step = torch.compile(model, backend=backend)
+    step(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    measured = measure_step_peak(step, batch, opt).peak_nbytes
+    session.close()
+    return budget, predicted, measured
+
+
+@pytest.mark.parametrize(
+    "family,fraction", [("llama", 0.0), ("llama", 0.5), ("llama", 1.0), ("gpt2", 0.5)]
+)
+def test_a_compile_planned_step_fits_its_budget_and_its_prediction(family, fraction):
+    """`prepare(..., compile=backend)` profiles the blocks, the head and the whole step compiled
+    (`profiler.compiled`): the compiled step, measured by the allocator, is within the budget
+    and at most 5 % above the plan's prediction (aot_eager: AOTAutograd's partition, no
+    fusion). Below it by up to 7 %: a plain block next to the head holds less in the compiled
+    model than measured alone (the tiny GPT-2 at 0.5: 5.6 % under, the budget's safe side)."""
+    budget, predicted, measured = _planned(family, fraction, "aot_eager")
+    assert measured <= budget, (measured, budget)
+    assert -0.07 * predicted <= measured - predicted <= 0.05 * predicted, (measured, predicted)
+
+
+@pytest.mark.slow  # ~3 min: inductor compiles of the tiny llama, profiles and steps
+def test_under_inductor_the_compiled_profile_predicts_what_the_eager_one_missed():
+    """The tiny llama under full recomputation: planned from an eager profile, the inductor step
+    holds 20 % more than predicted (over the budget); planned from a compile profile it is
+    within 5 % and within the budget, at the least budget and with no checkpointing."""
+    budget, predicted, measured = _planned("llama", 0.0, "inductor", compile_profile=False)
+    assert measured > 1.05 * predicted  # what the eager profile misses (the issue's +24 %)
+    for fraction in (0.0, 1.0):
+        budget, predicted, measured = _planned("llama", fraction, "inductor")
+        assert measured <= budget, (fraction, measured, budget)
+        assert abs(measured - predicted) <= 0.05 * predicted, (fraction, measured, predicted)
+
+
+def test_compile_plans_retain_and_recompute_only_and_says_what_conflicts():
+    cfg = AdaccConfig(compile=True)
+    assert (cfg.compile, cfg.codecs, cfg.offload) == ("inductor", [], False)
+    assert AdaccConfig(compile=False).compile is None
+    with pytest.raises(AdaccError, match="compression has no compiled form"):
+        AdaccConfig(compile="inductor", codecs=["int4_outlier"])
+    with pytest.raises(AdaccError, match="offload has no compiled form"):
+        AdaccConfig(compile="inductor", offload=True)
+    with pytest.raises(AdaccError, match="backend name"):
+        AdaccConfig(compile=3)

@@ -4,6 +4,7 @@ policy, and writes it into the model card and config.json."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -225,8 +226,6 @@ def test_arguments_from_the_command_line_and_bad_combinations(tmp_path):
     assert listed.adacc_codecs == ["int4_outlier", "bitpack"]
     with pytest.raises(AdaccError, match="replaces activation checkpointing"):
         AdaccTrainingArguments(output_dir=str(tmp_path), adacc=True, gradient_checkpointing=True)
-    with pytest.raises(AdaccError, match="torch_compile.*docs/compile.md"):
-        AdaccTrainingArguments(output_dir=str(tmp_path), adacc=True, torch_compile=True)
     with pytest.raises(AdaccError, match="adacc_memory_budget"):
         AdaccTrainingArguments(
             output_dir=str(tmp_path), adacc=True, adacc_memory_budget="20 parsecs"
@@ -358,3 +357,48 @@ def test_bf16_dynamic_padding_accumulation_and_evaluation_stay_in_budget(tmp_pat
             peak = measure_step_peak(model, [batch, batch], opt, autocast=torch.bfloat16)
         assert peak.peak_nbytes <= budget, (key, peak.peak_nbytes, budget)
     session.close()
+
+
+def test_torch_compile_trains_the_solved_policy_compiled(tmp_path):
+    """``--torch_compile`` with adacc: the Trainer compiles the model whole (Accelerate), the
+    session profiles its blocks, head and step compiled with the same backend
+    (`profiler.compiled`) and plans retain / recompute only; the compiled steps run the policy
+    as selective-checkpoint tags and train, within the budget."""
+    from torch._dynamo.utils import counters
+
+    model = assets.tiny_model("llama", seed=0, num_hidden_layers=4)
+    batch = assets.tiny_batch("llama", model)
+    budget = mixed_budget(model, batch)
+    args = _args(
+        tmp_path,
+        budget,
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+        max_steps=4,
+        save_strategy="no",
+        adacc_adaptive=False,
+    )
+    assert args.adacc_config().compile == "aot_eager"
+    with pytest.raises(AdaccError, match="compression has no compiled form"):
+        _args(tmp_path, budget, torch_compile=True, adacc_codecs=["int4_outlier"])
+    counters.clear()
+    try:
+        trainer = Trainer(model=model, args=args, train_dataset=Rows(batch))
+        trainer.train()
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    session = _session(trainer)
+    assert session.profile.compiled["backend"] == "aot_eager"
+    kinds = {
+        a.kind
+        for g in session.policy.groups.values()
+        for v in g.variants
+        for a in v.actions.values()
+    }
+    assert not kinds & {"compress", "offload"}, kinds
+    assert graphs >= 1, "the Trainer's model was not compiled"
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    pred = session.policy.metadata["predicted"]["peak_nbytes"]
+    assert pred <= budget

@@ -198,13 +198,6 @@ class AdaccTrainingArguments(TrainingArguments):
                 "replaces it",
                 type(self).__name__,
             )
-        if getattr(self, "torch_compile", False):
-            raise AdaccError(
-                "adacc's Trainer integration does not plan for torch.compile yet (it profiles "
-                "and re-plans inside training forwards, which compile would trace): drop "
-                "--torch_compile (or set adacc=False). A custom loop can compile after "
-                "prepare(..., codecs=[], offload=False); see docs/compile.md"
-            )
         fsdp_config = getattr(self, "fsdp_config", None) or {}
         if fsdp_config.get("activation_checkpointing"):
             raise AdaccError(
@@ -252,6 +245,11 @@ class AdaccTrainingArguments(TrainingArguments):
             auto_batch_size=self.adacc_auto_batch_size,
             expandable_segments=self.adacc_expandable_segments,
             profile_from=self.adacc_profile,
+            # --torch_compile: the Trainer compiles the model whole (Accelerate), adacc profiles
+            # its blocks and head compiled with the same backend and plans retain / recompute
+            compile=(getattr(self, "torch_compile_backend", None) or "inductor")
+            if getattr(self, "torch_compile", False)
+            else None,
         )
 
     # The integration name is in `report_to` only while the object lives in this process: what

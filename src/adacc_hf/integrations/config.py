@@ -90,8 +90,13 @@ class AdaccConfig:
     # The host memory offload may hold: bytes, "16GiB", "50%" of the host's memory; None: half
     # the host memory available when the first plan is made (`runtime.offload`).
     offload_host_cap: int | str | None = None
+    # The model's blocks will run under torch.compile with this backend (True: "inductor"): the
+    # profile measures them compiled too (`profiler.compiled`), and plans neither compress nor
+    # offload (no compiled form yet). None / False: eager.
+    compile: bool | str | None = None
 
     def __post_init__(self) -> None:
+        self._check_compile()
         if self.profile_from not in (None, "none") and not os.path.exists(self.profile_from):
             raise AdaccError(
                 f"profile_from: no such file or directory {self.profile_from!r} (an "
@@ -138,6 +143,29 @@ class AdaccConfig:
                 "zero_buckets (ZeRO-2's reduce-bucket elements) must be an int >= 0 or None "
                 f"(read from the DeepSpeed config), got {self.zero_buckets!r}"
             )
+
+    def _check_compile(self) -> None:
+        if self.compile is True:
+            self.compile = "inductor"
+        if not self.compile:
+            self.compile = None
+            return
+        if not isinstance(self.compile, str):
+            raise AdaccError(
+                f"compile must be a torch.compile backend name, True or None, not {self.compile!r}"
+            )
+        if self.codecs:
+            raise AdaccError(
+                f"compile={self.compile!r} with codecs {self.codecs}: compression has no compiled "
+                "form yet; leave the codecs out (compile plans retain / recompute only) or leave "
+                "compile off"
+            )
+        if self.offload:
+            raise AdaccError(
+                f"compile={self.compile!r} with offload=True: offload has no compiled form yet; "
+                "leave offload out (or False) or leave compile off"
+            )
+        self.codecs, self.offload = [], False
 
     def static_options(self) -> dict[str, Any]:
         """The `solver.estimate_static_memory` options of this run."""

@@ -226,6 +226,7 @@ class SessionProfiling:
                 room=None if room is None else max(0, room - storage_nbytes(sample.values())),
                 head=self.config.head,
                 memory=memory,
+                compile=self.config.compile,
             )
 
     def _pad_id(self) -> int | None:
@@ -249,7 +250,7 @@ class SessionProfiling:
         bucket: list[Profile] = []
         if self.saved_profiles:  # this run's now: the autocast may have moved (`follow_autocast`)
             c = self.config
-            run = run_fingerprint(self.model, self.autocast, c.codecs, c.codec_params())
+            run = run_fingerprint(self.model, self.autocast, c.codecs, c.codec_params(), c.compile)
             now = {**run, "heads": c.head, **now}
             bucket = [
                 p for p in self.saved_profiles if p.fingerprint.get("bucket") == now["bucket"]

@@ -30,6 +30,7 @@ from ..runtime.peak import batch_nbytes
 from ..runtime.trace import autocast_context, devices_of, run_representatives
 from ..schema import GroupProfile, Profile
 from ..verbosity import progress
+from .compiled import measure_compiled
 from .estimates import grad_nbytes, timeline_rest_nbytes
 from .fidelity import measure_grad_errors
 from .fingerprint import run_fingerprint
@@ -69,6 +70,7 @@ def profile_model(
     room: int | None = None,
     head: str = "auto",
     memory: bool = True,
+    compile: str | None = None,
 ) -> Profile:
     """Measure one block of each group on the model's device with the real micro-batch.
 
@@ -83,6 +85,8 @@ def profile_model(
     the run's LM head option; ``"full"`` measures no other way (`head.measure_heads`).
     ``memory=False`` runs the op pass alone: the memory fields and heads are left empty for
     `derive.interpolate_memory`. Where the time went is in the profile's ``phase_ms`` (`phases`).
+    `compile`: the ``torch.compile`` backend the blocks will run under; their memory is then
+    measured compiled too and the profile moved by the difference (`compiled`).
     """
     with recording() as phase_ms:
         profile = _profile_model(
@@ -98,6 +102,7 @@ def profile_model(
             room=room,
             head=head,
             memory=memory,
+            compile=compile,
         )
     profile.phase_ms = {k: round(v, 1) for k, v in phase_ms.items()}
     return profile
@@ -117,6 +122,7 @@ def _profile_model(
     room: int | None,
     head: str,
     memory: bool,
+    compile: str | None,
 ) -> Profile:
     t_start = time.perf_counter()
     adapter = get_adapter(model)
@@ -219,8 +225,15 @@ def _profile_model(
         variant_transients={recompute_key(n): v for n, v in mem.recompute_alone.items()},
         heads=heads,
         library_version=__version__,
-        fingerprint={**run_fingerprint(base, autocast, codecs, codec_params), "heads": head},
+        fingerprint={
+            **run_fingerprint(base, autocast, codecs, codec_params, compile),
+            "heads": head,
+        },
     )
+    if compile is not None and memory and probes:
+        bar.set_description("adacc profiling: compiled blocks")
+        with torch.random.fork_rng(devices=devices_of(base)), phase("compiled"):
+            measure_compiled(profile, base, batch, autocast, compile, probes, (groups, specs))
     if probes:
         bar.set_description("adacc profiling: gradient errors")
         with torch.random.fork_rng(devices=devices_of(base)), phase("grad_errors"):

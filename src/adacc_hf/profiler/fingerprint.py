@@ -3,7 +3,8 @@
 `run_fingerprint` names, as short strings, everything outside the batch that moves a profile's
 bytes or times: the model's configuration and attention / experts implementation, its parameters
 (names, shapes, dtypes, which train: a LoRA run is not a full fine-tune), the autocast, the device
-(its name; on a CPU the thread count), the codecs profiled, and the library versions. The session
+(its name; on a CPU the thread count), the codecs profiled, the torch.compile backend (where the
+blocks were measured compiled), and the library versions. The session
 adds the bucket. `differences` says what changed, for the log line of a profile not reused.
 """
 
@@ -35,8 +36,10 @@ def run_fingerprint(
     autocast: torch.dtype | None,
     codecs: Iterable[str] | None = None,
     codec_params: Mapping[str, Mapping[str, Any]] | None = None,
+    compile: str | None = None,
 ) -> dict[str, str]:
-    """The fingerprint of profiling `model` (the unwrapped transformers model) now."""
+    """The fingerprint of profiling `model` (the unwrapped transformers model) now; `compile`:
+    the torch.compile backend its blocks were measured under (an entry only when set)."""
     import transformers
 
     config = model.config
@@ -49,7 +52,7 @@ def run_fingerprint(
     params = [
         (n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()
     ]
-    return {
+    out = {
         "model": f"{config.model_type} {_digest(entries)}",
         "implementation": (
             f"attention {getattr(config, '_attn_implementation', None)}, "
@@ -63,6 +66,9 @@ def run_fingerprint(
         "versions": f"adacc-hf {__version__}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}",
     }
+    if compile is not None:
+        out["compile"] = compile
+    return out
 
 
 def differences(saved: Mapping[str, str], now: Mapping[str, str]) -> list[str]:

@@ -48,7 +48,7 @@ FIRST_SLICE = 1 / 16
 AFFINE_MARGIN = 0.05
 
 
-def _losses(
+def head_losses(
     base: nn.Module, head: nn.Linear, labels: torch.Tensor, chunk_rows: int
 ) -> dict[str, Callable]:
     def full(x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ def _losses(
     return {"full": full, "chunked": chunked}
 
 
-def _hidden(head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+def head_hidden(head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
     """Final hidden states of the batch's shape in the head's dtype, from a private generator."""
     w = head.weight
     g = torch.Generator(w.device).manual_seed(0)
@@ -157,7 +157,7 @@ def measure_heads(
     chunk = default_chunk_rows(rows * length, lm.in_features, lm.out_features)
     first = {"full": max(1, round(length * FIRST_SLICE)), "chunked": -(-chunk // rows)}
 
-    losses = _losses(base, lm, labels, chunk)
+    losses = head_losses(base, lm, labels, chunk)
 
     def amp() -> Any:
         return autocast_context(device, autocast)
@@ -167,7 +167,7 @@ def measure_heads(
 
     out: dict[str, HeadCost] = {}
     with train_mode(base):
-        hidden = _hidden(lm, labels)
+        hidden = head_hidden(lm, labels)
         n = first["full"]
         if head == "full" and 2 * n < length:  # the affine continuation of two slices, bytes only
             a, b = (head_cost(losses["full"], hidden[:, :k], params, amp, 0) for k in (n, 2 * n))

@@ -77,7 +77,7 @@ def sharded(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in model.parameters())
 
 
-def _policy(
+def timeline_policy(
     base: nn.Module,
     groups: list[BlockGroup],
     specs: dict,
@@ -295,7 +295,7 @@ def measure(
         return autocast_context(device, autocast)
 
     def policy(first: str | None, kind: str = "plain") -> Policy:
-        return _policy(base, groups, specs, first, kind, head)
+        return timeline_policy(base, groups, specs, first, kind, head)
 
     with train_mode(base), torch.random.fork_rng(devices=devices_of(base)):
         with apply_adacc(base, policy(None)):

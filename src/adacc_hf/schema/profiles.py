@@ -196,6 +196,9 @@ class Profile:
     # Measured per way of running the LM head and loss (`HEADS`; empty: only the model's own,
     # which the timeline measured).
     heads: dict[str, HeadCost] = field(default_factory=dict)
+    # Where the blocks were measured under torch.compile too (`profiler.compiled`): the backend
+    # and, per group, the shifts (compiled - eager) the profile was moved by; empty: eager.
+    compiled: dict[str, Any] = field(default_factory=dict)
     library_version: str = ""
     # what the measurements depend on besides the batch (`profiler.fingerprint`), and the bucket
     fingerprint: dict[str, str] = field(default_factory=dict)

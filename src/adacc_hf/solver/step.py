@@ -180,6 +180,15 @@ def held_in_order(profile: Profile, blocks: list[BlockLoad]) -> list[int]:
     ]
 
 
+def compiled_residual(profile: Profile, all_checkpointed: bool = True) -> tuple[int, int]:
+    """What a model compiled whole holds beyond its compiled parts, in forward and in backward,
+    with every block checkpointed or with a plain one among them (measured: `profiler.compiled`;
+    0 for an eager profile)."""
+    key = "residual" if all_checkpointed else "residual_plain"
+    fwd, bwd = profile.compiled.get(key) or profile.compiled.get("residual") or (0, 0)
+    return int(fwd), int(bwd)
+
+
 def step_peak(
     profile: Profile,
     blocks: list[BlockLoad],
@@ -226,6 +235,7 @@ def step_peak(
     ahead = staged_ahead([b.parked for b in blocks])
     moments: dict[str, int] = {}
     before = 0
+    fres, bres = compiled_residual(profile, all(b.checkpoint for b in blocks))
     for j, (b, g) in enumerate(zip(blocks, groups, strict=True)):
         measured = tl.forward_peak[j] - tl.forward_start[j]
         transient = _forward_transient(b, g, measured, deltas, lag)
@@ -236,17 +246,20 @@ def step_peak(
             + before
             + ex.forward[j]
             + max(transient, ex.forward_floor[j])
+            + fres
         )
         before += forward_delta[j]
         if j < len(tl.forward_gap) and tl.forward_gap[j]:
-            moments[f"between:{j}"] = resident + acc + tl.forward_gap[j] + before + ex.forward[j]
+            moments[f"between:{j}"] = (
+                resident + acc + tl.forward_gap[j] + before + ex.forward[j] + fres
+            )
     total = sum(delta)
     loss_peak, head_peak = head_peaks(profile, tl, head)
-    moments["forward"] = resident + acc + loss_peak + before + ex.loss
+    moments["forward"] = resident + acc + loss_peak + before + ex.loss + fres
     # In a later micro-batch the head's new gradients (in the timeline's head peak, where they
     # become the gradients) are transients beside every accumulated gradient.
     head_peak = max(head_peak, forward_end(profile, tl, head) + ex.head_floor)
-    moments["head"] = resident + acc + head_peak + total + ex.head
+    moments["head"] = resident + acc + head_peak + total + ex.head + bres
     for j in range(len(blocks) - 1, -1, -1):
         b, g = blocks[j], groups[j]
         measured = tl.backward_peak[j] - tl.backward_start[j]
@@ -267,6 +280,7 @@ def step_peak(
             + staged
             + _backward_transient(b, g, measured, deltas)
             + ex.backward[j]
+            + bres
         )
         if j < len(tl.backward_gap) and tl.backward_gap[j]:  # after block j+1's backward
             moments[f"backward_between:{j}"] = (
@@ -276,8 +290,9 @@ def step_peak(
                 + sum(delta[: j + 1])
                 + (ahead[j + 1] if j + 1 < len(blocks) else 0)
                 + ex.backward[j]
+                + bres
             )
-    moments["tail"] = resident + max(tl.tail_peak + ex.tail, acc)
+    moments["tail"] = resident + max(tl.tail_peak + ex.tail, acc) + bres
     moments["optimizer"] = resident + grads + opt_step
     moment = max(moments, key=moments.__getitem__)
     return StepEstimate(moments[moment], moment, moments)
@@ -301,10 +316,12 @@ def lp_caps(
     acc = max(grads, unsharded) if accumulation > 1 else 0
     held = sum(tl.held) + sum(g.frame_nbytes for g in groups)  # every block checkpointed
     ex = extras(static, tl, unsharded)
-    at_end = max(head_peaks(profile, tl, head)) + max(ex.loss, ex.head) - held
+    fres, bres = compiled_residual(profile)
+    loss_peak, head_peak = head_peaks(profile, tl, head)
+    at_end = max(loss_peak + fres, head_peak + bres) + max(ex.loss, ex.head) - held
     last = len(tl.held) - 1
     in_flight = max(0, acc - (tl.grads[last] if tl.grads else 0))
-    at_last = tl.backward_start[last] + ex.backward[last] - held
+    at_last = tl.backward_start[last] + ex.backward[last] + bres - held
     return budget - resident - acc - at_end, budget - resident - in_flight - at_last
 
 
