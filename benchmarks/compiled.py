@@ -8,9 +8,10 @@ budget is `--fraction` of the way from full recomputation's predicted step peak 
 checkpointing's. Each way runs on its own copy of the same weights, all alive at once:
 
 * ``hf_full_compiled``: transformers' full checkpointing, then ``torch.compile(model)``;
-* ``adacc_compiled``: `prepare(..., codecs=[], offload=False)` at the budget, then
-  ``torch.compile(model)`` (retain / recompute as selective-checkpoint tags);
-* ``adacc_eager``: the same plan, not compiled;
+* ``adacc_compiled``: `prepare(..., compile="inductor")` at the budget (the profile measured on
+  the compiled blocks, head and step: `profiler.compiled`), then ``torch.compile(model)``
+  (retain / recompute as selective-checkpoint tags);
+* ``adacc_eager``: `prepare(..., codecs=[], offload=False)`, not compiled (its own plan);
 * ``compile_budget``: ``torch.compile`` with ``activation_memory_budget`` 1 / 0.5 / 0.25 / 0,
   the first whose measured step peak fits the budget (absent when none fits).
 
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         policy = session.handle.policy  # each session plans for itself (timings may differ)
         res[f"{name}_policy"] = policy.summary()
         res[f"{name}_predicted_nbytes"] = policy.metadata.get("predicted", {}).get("peak_nbytes")
+        res[f"{name}_profile_s"] = round(session.profile.profile_ms / 1e3, 1)
+        res[f"{name}_profile_phases_ms"] = session.profile.phase_ms
+    res["adacc_compiled_measured_parts"] = sessions[0].profile.compiled
     res["peaks"], res["compile_s"] = {}, {}
     for name, (call, _, opt) in ways.items():
         t0 = time.perf_counter()

@@ -103,7 +103,9 @@ class SessionSolving(SessionProfiling):
             with self.own_forwards():
                 rounds = self.config.profile_repeats
                 with phase("action_tables"):
-                    new = measure_policy(profile, probes, policy, self.autocast, rounds, room)
+                    new = measure_policy(
+                        profile, probes, policy, self.autocast, rounds, room, self.config.compile
+                    )
                 with phase("policy_error"):
                     err = policy_block_error(probes, policy, self.autocast) if bound else 0.0
             policy.metadata["measured_grad_error"] = err
@@ -157,7 +159,15 @@ class SessionSolving(SessionProfiling):
                 else:
                     with self.own_forwards(), phase("action_tables"):
                         rounds = self.config.profile_repeats
-                        measure_policy(profile, probes, policy, self.autocast, rounds, room)
+                        measure_policy(
+                            profile,
+                            probes,
+                            policy,
+                            self.autocast,
+                            rounds,
+                            room,
+                            self.config.compile,
+                        )
                     final = predict(profile, policy, static, acc)
                     fits = self.coordinator.agree((final.peak_nbytes,))[0] <= limit
                 if not fits:

@@ -20,7 +20,6 @@ measured eagerly: a model compiled whole fuses its loss too and holds less there
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,25 +29,13 @@ from torch import nn
 
 from ..policy import Policy
 from ..runtime import apply_adacc
-from ..runtime.checkpoint import own_eager_runs
 from ..runtime.head import chunked_head_problem
-from ..runtime.peak import AllocationTracker, measure_step_peak
-from ..runtime.trace import autocast_context, detached_input, train_mode
-from ..schema import HeadCost, Profile, Timeline, Variant
-from .calibrate import table_runtimes
+from ..runtime.peak import measure_step_peak
+from ..runtime.trace import autocast_context, train_mode
+from ..schema import HeadCost, Profile, Timeline
 from .head import head_cost, head_hidden, head_losses
 from .memory import timeline_policy
-from .variants import FULL_RECOMPUTE
-
-
-@dataclass(frozen=True)
-class Levels:
-    """One block run alone: bytes its forward leaves alive (its output included), and the peaks
-    of its forward and backward above their starts."""
-
-    held: int
-    forward: int
-    backward: int
+from .variants import FULL_RECOMPUTE, Levels, block_levels, fresh_code
 
 
 @dataclass(frozen=True)
@@ -64,62 +51,6 @@ class Shift:
             k: [v.held, v.forward, v.backward]
             for k, v in (("ckpt", self.ckpt), ("plain", self.plain))
         }
-
-
-def _fresh(fn: Callable) -> Callable:
-    """`fn` with its own code object: dynamo caches compiled graphs on the code object, so each
-    measurement compiles afresh and fills no cache a user's model compiles into."""
-    code = fn.__code__.replace()
-    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-def block_levels(
-    probe: Any, variant: Variant | None, autocast: torch.dtype | None, backend: str | None
-) -> Levels:
-    """`probe`'s block alone under `variant` (None: plain), eager (`backend` None) or compiled
-    with `backend`: one untimed forward + backward first (compilation, lazy state), then one
-    measured as `variants.alone_memory` runs it (output kept, its gradient made inside autograd)."""
-    x, x_in = detached_input(probe.args[0])
-    params = [p for p in probe.block.parameters() if p.requires_grad]
-    device = x.device
-    table = {"v": variant}
-    with table_runtimes(probe.block, probe.path, probe.group, probe.ops, table) as runtimes:
-        runtime = runtimes["v"]
-
-        def forward(*args: Any) -> Any:
-            return runtime(probe.fn, *args) if runtime is not None else probe.fn(*args)
-
-        call = (
-            torch.compile(_fresh(forward), backend=backend, dynamic=False) if backend else forward
-        )
-
-        def once(tracker: AllocationTracker | None) -> None:
-            mark = tracker.mark if tracker is not None else (lambda name: None)
-            mark("start")
-            with autocast_context(device, autocast):
-                out = call(x_in, *probe.args[1:])
-            y = out[0] if isinstance(out, (tuple, list)) else out
-            mark("forward_end")
-            y.register_hook(lambda g: mark("backward_start"))
-            loss = (y * torch.ones_like(y)).sum()
-            inputs = [t for t in (x, *params) if t.requires_grad]
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-            mark("backward_end")
-            del grads, loss, y, out
-
-        with own_eager_runs():
-            once(None)
-            tracker = AllocationTracker(device)
-            with tracker:
-                once(tracker)
-    start = tracker.level("start")
-    return Levels(
-        held=tracker.level("forward_end") - start,
-        forward=max(0, tracker.peak("start", "forward_end") - start),
-        backward=max(
-            0, tracker.peak("backward_start", "backward_end") - tracker.level("backward_start")
-        ),
-    )
 
 
 def _minus(a: Levels, b: Levels) -> Levels:
@@ -159,7 +90,7 @@ def head_shift(
     labels = labels.to(device)
     params = [p for p in lm.parameters() if p.requires_grad]
     full = head_losses(base, lm, labels, 1)["full"]
-    compiled = torch.compile(_fresh(full), backend=backend, dynamic=False)
+    compiled = torch.compile(fresh_code(full), backend=backend, dynamic=False)
     x = head_hidden(lm, labels)
 
     def amp() -> Any:
@@ -175,6 +106,13 @@ def head_shift(
         comp.backward_peak - eager.backward_peak,
         0.0,
     )
+
+
+def no_dispatch(profile: Profile) -> None:
+    """A compiled block keeps ops as selective-checkpoint tags, without the eager runtime's
+    dispatch modes: no overhead per keeping block (``GroupProfile.dispatch_ms``)."""
+    for g in profile.groups.values():
+        g.dispatch_ms = 0.0
 
 
 def shift_profile(
@@ -210,8 +148,7 @@ def shift_profile(
             0, g.plain_forward_transient_nbytes + s.plain.forward
         )
         g.plain_transient_nbytes = max(0, g.plain_transient_nbytes + s.plain.backward)
-    for g in profile.groups.values():  # compiled blocks keep ops without the dispatch modes
-        g.dispatch_ms = 0.0
+    no_dispatch(profile)
     if tl is None:
         return
     zero = Levels(0, 0, 0)
@@ -294,7 +231,7 @@ def whole_step_phases(
     with apply_adacc(base, policy), train_mode(base):
         eager = measure_step_peak(base, batch, autocast=autocast).phases
         base.zero_grad(set_to_none=True)
-        whole = _Whole(base, torch.compile(_fresh(run), backend=backend, dynamic=False))
+        whole = _Whole(base, torch.compile(fresh_code(run), backend=backend, dynamic=False))
         measure_step_peak(whole, batch, autocast=autocast)  # compiles
         base.zero_grad(set_to_none=True)
         compiled = measure_step_peak(whole, batch, autocast=autocast).phases

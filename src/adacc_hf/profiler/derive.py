@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
 from ..schema import GroupProfile, HeadCost, Profile, Timeline
+from .compiled import no_dispatch
 
 __all__ = [
     "GROUP_BYTES",
@@ -212,6 +213,9 @@ def interpolate_memory(
         k: measured[k] if k in measured else _head(k, low.heads.get(k), h, r, time_scale)
         for k, h in near.heads.items()
     }
+    if near.compiled:  # the larger bucket's whole-step residuals: at least the new bucket's
+        into.compiled = {**near.compiled, "residuals_from": near.fingerprint.get("bucket", "")}
+        no_dispatch(into)
 
 
 def _same_blocks(g: GroupProfile, near: GroupProfile) -> None:

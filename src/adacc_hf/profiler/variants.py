@@ -22,6 +22,7 @@ workspaces, which is the conservative side.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.checkpoint import own_eager_runs
 from ..runtime.memory import StorageRecorder, young_objects
 from ..runtime.peak import AllocationTracker
 from ..runtime.trace import autocast_context, detached_input
@@ -118,6 +120,82 @@ def alone_memory(
     )
 
 
+@dataclass(frozen=True)
+class Levels:
+    """One block run alone: bytes its forward leaves alive (its output included), and the peaks
+    of its forward and backward above their starts."""
+
+    held: int
+    forward: int
+    backward: int
+
+
+def fresh_code(fn: Callable) -> Callable:
+    """`fn` with its own code object: dynamo caches compiled graphs on the code object, so each
+    measurement compiles afresh and fills no cache a user's model compiles into."""
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def block_levels(
+    probe: Any,
+    variant: Variant | None,
+    autocast: torch.dtype | None,
+    backend: str | None,
+    input_grad: bool = False,
+) -> Levels:
+    """`probe`'s block alone under `variant` (None: plain), eager (`backend` None) or compiled
+    with `backend`: one untimed forward + backward first (compilation, lazy state), then one
+    measured as `variants.alone_memory` runs it (output kept, its gradient made inside autograd;
+    `input_grad`: its input requires one, as a later block's does)."""
+    x0 = probe.args[0]
+    if input_grad and isinstance(x0, torch.Tensor) and x0.is_floating_point():
+        x0 = x0.detach().requires_grad_()
+    x, x_in = detached_input(x0)
+    params = [p for p in probe.block.parameters() if p.requires_grad]
+    device = x.device
+    table = {"v": variant}
+    with table_runtimes(probe.block, probe.path, probe.group, probe.ops, table) as runtimes:
+        runtime = runtimes["v"]
+
+        def forward(*args: Any) -> Any:
+            return runtime(probe.fn, *args) if runtime is not None else probe.fn(*args)
+
+        call = (
+            torch.compile(fresh_code(forward), backend=backend, dynamic=False)
+            if backend
+            else forward
+        )
+
+        def once(tracker: AllocationTracker | None) -> None:
+            mark = tracker.mark if tracker is not None else (lambda name: None)
+            mark("start")
+            with autocast_context(device, autocast):
+                out = call(x_in, *probe.args[1:])
+            y = out[0] if isinstance(out, (tuple, list)) else out
+            mark("forward_end")
+            y.register_hook(lambda g: mark("backward_start"))
+            loss = (y * torch.ones_like(y)).sum()
+            inputs = [t for t in (x, *params) if t.requires_grad]
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+            mark("backward_end")
+            del grads, loss, y, out
+
+        with own_eager_runs():
+            once(None)
+            tracker = AllocationTracker(device)
+            with tracker:
+                once(tracker)
+    start = tracker.level("start")
+    return Levels(
+        held=tracker.level("forward_end") - start,
+        forward=max(0, tracker.peak("start", "forward_end") - start),
+        backward=max(
+            0, tracker.peak("backward_start", "backward_end") - tracker.level("backward_start")
+        ),
+    )
+
+
 def later_input(probe: BlockProbe, num_blocks: int) -> bool:
     """Whether the probed (first) block's input needs no gradient where a later block's does
     (frozen embeddings: LoRA). The first block then saves no statistics of its input norm and
@@ -168,10 +246,13 @@ def measure_variants(
     autocast: torch.dtype | None = None,
     rounds: int = MIN_ROUNDS,
     room: int | None = None,
+    compile: str | None = None,
 ) -> int:
     """Measure each (group, variant) not yet in ``profile.variant_transients`` against full
     recomputation on the same block and record the differences, and time it (`variant_times`,
-    ``profile.variant_ms``); within `room` bytes (None: no limit). Returns how many were new."""
+    ``profile.variant_ms``); within `room` bytes (None: no limit). `compile`: the blocks run
+    compiled with this backend, so both are measured compiled (`compiled.block_levels`; the
+    times stay eager). Returns how many were new."""
     new: dict[str, dict[str, Variant]] = {}
     cuda = sorted({p.args[0].device.index or 0 for p in probes.values() if p.args[0].is_cuda})
     with torch.random.fork_rng(devices=cuda):
@@ -184,6 +265,16 @@ def measure_variants(
                 continue
             g = profile.groups.get(group)
             later = later_input(probe, g.num_blocks if g is not None else 1)
+            if compile is not None:  # compiled tables against compiled full recomputation
+                base_key = f"{recompute_key(group)}:{compile}"
+                if base_key not in profile.variant_transients:
+                    full = block_levels(probe, FULL_RECOMPUTE, autocast, compile, later)
+                    profile.variant_transients[base_key] = [full.forward, full.backward]
+                base = profile.variant_transients[base_key]
+                m = block_levels(probe, variant, autocast, compile, later)
+                profile.variant_transients[key] = [m.forward - base[0], m.backward - base[1]]
+                new.setdefault(group, {})[key] = variant
+                continue
             base = profile.variant_transients.get(recompute_key(group))
             if base is None:
                 full = alone_memory(probe, FULL_RECOMPUTE, autocast, input_grad=later)
@@ -207,7 +298,8 @@ def measure_policy(
     autocast: torch.dtype | None = None,
     rounds: int = MIN_ROUNDS,
     room: int | None = None,
+    compile: str | None = None,
 ) -> int:
     """`measure_variants` of every action table `policy` (a `Policy`) runs on some block."""
     used = [(name, v) for name, g in policy.groups.items() for v in g.variants if v.count]
-    return measure_variants(profile, probes, used, autocast, rounds, room)
+    return measure_variants(profile, probes, used, autocast, rounds, room, compile)
