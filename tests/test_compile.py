@@ -221,3 +221,15 @@ def test_compile_plans_retain_and_recompute_only_and_says_what_conflicts():
         AdaccConfig(compile="inductor", offload=True)
     with pytest.raises(AdaccError, match="backend name"):
         AdaccConfig(compile=3)
+
+
+def test_a_block_compiled_on_its_own_is_refused_not_run_with_wrong_gradients():
+    """Regional compilation (``layer.compile()``) under an adacc policy measured 0.07 off the
+    eager gradients before this refusal: the error names the block and the whole-model way."""
+    model, batch = _model("llama")
+    handle = apply_adacc(model, attention_recompute_policy(model, batch))
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    with pytest.raises(AdaccError, match=r"block model\.layers\.0 was compiled on its own"):
+        model(**batch)
+    handle.remove()

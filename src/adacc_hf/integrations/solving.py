@@ -82,7 +82,7 @@ class SessionSolving(SessionProfiling):
         profile.offload = self.offload_link()
         policy = least_memory_policy(profile, self._static(), c.gradient_accumulation_steps, c.head)
         policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=self._budget())
-        return policy
+        return self._compiled(policy)
 
     def solve_measured(
         self,
@@ -118,6 +118,13 @@ class SessionSolving(SessionProfiling):
                 policy = self.coordinator.share(lambda b=bound: self.solve(profile, reserve, b))
         if probes:
             policy = self._within_budget(profile, probes, policy, reserve, room)
+        return self._compiled(policy)
+
+    def _compiled(self, policy: Policy) -> Policy:
+        """`policy` labelled with the backend it was planned for (its blocks then run their
+        compile contexts without warning of an eager plan)."""
+        if self.config.compile:
+            policy.metadata["compile"] = self.config.compile
         return policy
 
     def _within_budget(

@@ -45,6 +45,8 @@ class AdaccHandle:
                 )
                 rt = BlockRuntime(block, path, group.name, gp, variant, warned)
                 rt.root = self.model
+                rt.planned_for_compile = bool(self.policy.metadata.get("compile"))
+                rt.set_variant(variant)  # its compile context says so
                 self.runtimes[path] = rt
                 block.gradient_checkpointing = True
                 block._gradient_checkpointing_func = rt
@@ -85,7 +87,9 @@ class AdaccHandle:
         if self.active and {p for p, _, v in plan if v.checkpoint} == set(self.runtimes):
             for path, gp, variant in plan:
                 if variant.checkpoint:
-                    self.runtimes[path].set_variant(variant, gp)
+                    rt = self.runtimes[path]
+                    rt.planned_for_compile = bool(policy.metadata.get("compile"))
+                    rt.set_variant(variant, gp)
             self._set_head(policy.head)
             self._set_host(policy)
             self.policy = policy

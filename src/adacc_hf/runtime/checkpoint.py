@@ -47,6 +47,13 @@ _COMPILE_MSG = (
 )
 
 
+_REGIONAL_MSG = (
+    "block {path} was compiled on its own (regional compilation, e.g. layer.compile()): adacc "
+    "cannot run its policy around a separately compiled block (its gradients would be wrong). "
+    "Compile the whole model instead: torch.compile(model) after prepare(..., "
+    "compile=<backend>), or the Trainer's torch_compile=True; see docs/compile.md"
+)
+
 _OWN_RUNS = [0]  # >0 while adacc runs blocks itself (planning inside a compiled model's hook)
 
 
@@ -102,6 +109,7 @@ class BlockRuntime:
         self._unstable: set[tuple] = set()  # signatures whose op sequence changed in a bucket
         self.host: HostStore | None = None  # set by apply where a policy offloads anything
         self.version = 0  # the variant's number (op list and kept ops): compiled graphs guard on it
+        self.planned_for_compile = False  # the policy was planned from a compile profile
         self._versions: dict[tuple, int] = {}
         self.set_variant(variant, gp)
 
@@ -124,7 +132,9 @@ class BlockRuntime:
         self.version = self._versions.setdefault(key, len(self._versions) + 1)
         # under torch.compile: the retained ops as selective-checkpoint tags (`compiled`), or why
         # the variant has no such form
-        self._tags = functools.partial(contexts, wanted(self.specs, self.actions))
+        self._tags = functools.partial(
+            contexts, wanted(self.specs, self.actions), not self.planned_for_compile
+        )
         self._refusal = compile_refusal(self.path, self.actions, self.offload_input)
 
     def codec(self, action: Action) -> Codec:
@@ -142,6 +152,8 @@ class BlockRuntime:
         self._unstable.clear()
 
     def __call__(self, fn, *args):
+        if getattr(self.block, "_compiled_call_impl", None) is not None:
+            raise AdaccError(_REGIONAL_MSG.format(path=self.path))
         if torch.compiler.is_compiling():
             return self._compiled(fn, args)
         if _eager_in_compiled(self.root):  # dynamo fell back to eager here (a raise traced too)

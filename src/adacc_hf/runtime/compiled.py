@@ -88,17 +88,18 @@ def wanted(specs: Sequence[OpSpec], actions: dict[str, Action]) -> tuple[tuple[s
     return tuple((s.aten, actions.get(s.key, _RECOMPUTE).kind == "retain") for s in specs)
 
 
-def contexts(wanted: tuple[tuple[str, bool], ...]) -> tuple[Any, Any]:
-    """The checkpoint's ``context_fn`` under compile, as ``functools.partial(contexts, wanted)``
-    (dynamo takes a partial of a module function, made before tracing): a fresh `Aligner`
-    for each traced pass."""
-    if not _WARNED:
+def contexts(wanted: tuple[tuple[str, bool], ...], eager_plan: bool = True) -> tuple[Any, Any]:
+    """The checkpoint's ``context_fn`` under compile, as ``functools.partial(contexts, wanted,
+    eager_plan)`` (dynamo takes a partial of a module function, made before tracing): a fresh
+    `Aligner` for each traced pass. `eager_plan`: the policy was planned from an eager profile
+    (not ``compile=``): warned once."""
+    if eager_plan and not _WARNED:
         _WARNED.append(True)
         logger.warning(
-            "adacc: a block runs under torch.compile: its policy's retain / recompute decisions "
-            "are selective-checkpoint tags, but the plan was profiled eagerly and compiled "
-            "graphs hold other bytes (tiny llama: -12 % to +24 % of the eager step): leave "
-            "headroom in the budget (docs/compile.md)"
+            "adacc: a block runs under torch.compile, but its policy was planned from an eager "
+            "profile and compiled graphs hold other bytes (tiny llama: +20 % under full "
+            "recomputation): plan with prepare(..., compile=<backend>) or the Trainer's "
+            "torch_compile=True (docs/compile.md)"
         )
     aligner = Aligner(wanted)
     if RECORD is not None:
