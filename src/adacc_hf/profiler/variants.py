@@ -157,6 +157,9 @@ def block_levels(
     table = {"v": variant}
     with table_runtimes(probe.block, probe.path, probe.group, probe.ops, table) as runtimes:
         runtime = runtimes["v"]
+        if runtime is not None and backend and variant is not None:
+            runtime.planned_for_compile = True  # measuring the compiled block: no warning
+            runtime.set_variant(variant)
 
         def forward(*args: Any) -> Any:
             return runtime(probe.fn, *args) if runtime is not None else probe.fn(*args)
