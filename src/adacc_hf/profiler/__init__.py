@@ -230,6 +230,13 @@ def _profile_model(
             "heads": head,
         },
     )
+    if compile is not None and memory and not probes:
+        logger.warning(
+            "adacc: the blocks of a sharded model (ZeRO-3 / FSDP) cannot run alone, so the "
+            "profile for compile=%r stays eager: its compiled steps may hold other bytes than "
+            "planned (docs/compile.md)",
+            compile,
+        )
     if compile is not None and memory and probes:
         bar.set_description("adacc profiling: compiled blocks")
         with torch.random.fork_rng(devices=devices_of(base)), phase("compiled"):

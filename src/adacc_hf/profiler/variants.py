@@ -14,6 +14,11 @@ block's full recomputation (`calibrate`) miss what a partly kept block pays: on 
 GPT-2 they put such a block at 0.6-1.3x of what it measured. `cost_model.predict` uses the
 measured time of each table the policy runs.
 
+For a model that will run compiled (``compile=``), a table and full recomputation are measured
+compiled instead (`block_levels`: the allocator's levels, since compiled code allocates past any
+dispatch mode, on a fresh copy of the call's code so no user graph cache fills); their times
+stay eager.
+
 Inside a budget (``room``: the bytes profiling may add), a table whose run is predicted not to fit
 (`run_nbytes`: everything the plain block saves, its backward transient, its gradients and its
 output's) is skipped: the step model then counts the table unmeasured, from its kept bytes and
