@@ -1,20 +1,27 @@
-"""A block's memory under ``torch.compile``, measured on the compiled block.
+"""A model's memory under ``torch.compile``, measured on the compiled model by parts.
 
-The profile's timeline is measured eagerly; a compiled block holds other bytes. Inductor fuses a
-plain block's pointwise chains and saves fewer, larger-grained tensors (GPT-2 117M on an H200:
-the eager plan's 7280 MiB step ran in 4297 MiB compiled), and a checkpointed block's partition may
-save a little more than the eager checkpoint (the tiny LLaMA under full recomputation: +24 %).
+The profile's timeline is measured eagerly; a compiled model holds other bytes. Inductor fuses a
+plain block's pointwise chains and saves fewer tensors (GPT-2 117M on an H200: the eager plan's
+7280 MiB step ran in 4297 MiB compiled), fuses the loss, and schedules one backward graph for
+the whole model (the tiny LLaMA under full recomputation: +20 % over the eager step).
 
-`compiled_shifts` runs each group's profiled block alone (`variants.BlockProbe`, on the inputs it
-got) four ways: checkpointed under full recomputation and plain, each eager and compiled with the
-run's backend, all measured the same way (the allocator's levels: what forward leaves alive, the
-peaks of forward and backward above their starts; compiled code allocates past any dispatch
-mode). `shift_profile` moves the profile by the differences compiled - eager: what a checkpointed
-block holds (its input, and the timeline's levels after it), what a plain block holds, and the
-transients of both; a kept op costs no dispatch-mode overhead (``GroupProfile.dispatch_ms`` is
-0). Kept ops still cost their output bytes (a ``MUST_SAVE`` tag saves the op's
-output, as the eager runtime keeps it), and the non-block part (embeddings, head, loss) stays as
-measured eagerly: a model compiled whole fuses its loss too and holds less there, the safe side.
+`measure_compiled` moves an eager profile to the model compiled whole with a backend:
+
+* `compiled_shifts`: each group's profiled block alone (`variants.block_levels`, on the inputs
+  it got), checkpointed under full recomputation and plain, each eager and compiled, measured
+  the same way (the allocator's levels: compiled code allocates past any dispatch mode). The
+  differences move what a checkpointed block holds (its input, and the timeline's levels after
+  it), what a plain block holds, and the transients of both (`shift_profile`);
+* `head_shift`: the model's own LM head and loss, eager and compiled, moves the timeline's loss
+  and head moments;
+* the whole step, eager and compiled, under full recomputation and with one plain block: what
+  the compiled model holds beyond its parts is the residual the step model adds
+  (`solver.step.compiled_residual`).
+
+A kept op still costs its output bytes (a ``MUST_SAVE`` tag saves the op's output, as the eager
+runtime keeps it) but no dispatch-mode overhead (`no_dispatch`). Every compiled call is made on a
+fresh copy of its function's code (`variants.fresh_code`), so no graph lands in a cache the
+user's model compiles into.
 """
 
 from __future__ import annotations
