@@ -233,3 +233,21 @@ def test_a_block_compiled_on_its_own_is_refused_not_run_with_wrong_gradients():
     with pytest.raises(AdaccError, match=r"block model\.layers\.0 was compiled on its own"):
         model(**batch)
     handle.remove()
+
+
+def test_a_compile_session_plans_a_new_bucket_compiled_while_its_policy_runs():
+    """A longer batch in a compile session is profiled (compiled parts included) and planned
+    inside the compiled model's call, while the first bucket's policy is applied; the compiled
+    step then trains with the new plan, its gradients equal to the same plan run eagerly."""
+    model, batch = _model("llama")
+    kw = dict(optimizer="sgd", adaptive=False, profile_repeats=1, compile="aot_eager")
+    session = prepare(model, "100GiB", batch, **kw)
+    step = torch.compile(model, backend="aot_eager")
+    _grads(step, model, batch)
+    longer = assets.tiny_batch("llama", model, batch_size=2, seq_len=24)
+    plans = len(session.plans)
+    got = _grads(step, model, longer)
+    assert len(session.plans) == plans + 1
+    assert session.plans[session.key_of(longer)].profile.compiled["backend"] == "aot_eager"
+    _assert_close(got, _grads(model, model, longer), 0.0)
+    session.close()

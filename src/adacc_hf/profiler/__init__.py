@@ -239,8 +239,14 @@ def _profile_model(
         )
     if compile is not None and memory and probes:
         bar.set_description("adacc profiling: compiled blocks")
-        with torch.random.fork_rng(devices=devices_of(base)), phase("compiled"):
-            measure_compiled(profile, base, batch, autocast, compile, probes, (groups, specs))
+        if active is not None:  # a new bucket's plan: its runs patch the model themselves
+            handle.remove()
+        try:
+            with torch.random.fork_rng(devices=devices_of(base)), phase("compiled"):
+                measure_compiled(profile, base, batch, autocast, compile, probes, (groups, specs))
+        finally:
+            if active is not None:
+                handle.set_policy(active)
     if probes:
         bar.set_description("adacc profiling: gradient errors")
         with torch.random.fork_rng(devices=devices_of(base)), phase("grad_errors"):
