@@ -179,7 +179,13 @@ def _planned(family: str, fraction: float, backend: str, compile_profile: bool =
 
 
 @pytest.mark.parametrize(
-    "family,fraction", [("llama", 0.0), ("llama", 0.5), ("llama", 1.0), ("gpt2", 0.5)]
+    "family,fraction",
+    [
+        ("llama", 0.0),
+        pytest.param("llama", 0.5, marks=pytest.mark.slow),  # ~20 s each on the shared CPU
+        pytest.param("llama", 1.0, marks=pytest.mark.slow),
+        ("gpt2", 0.5),
+    ],
 )
 def test_a_compile_planned_step_fits_its_budget_and_its_prediction(family, fraction):
     """`prepare(..., compile=backend)` profiles the blocks, the head and the whole step compiled
