@@ -184,7 +184,7 @@ def _planned(family: str, fraction: float, backend: str, compile_profile: bool =
         ("llama", 0.0),
         pytest.param("llama", 0.5, marks=pytest.mark.slow),  # ~20 s each on the shared CPU
         pytest.param("llama", 1.0, marks=pytest.mark.slow),
-        ("gpt2", 0.5),
+        pytest.param("gpt2", 0.5, marks=pytest.mark.slow),
     ],
 )
 def test_a_compile_planned_step_fits_its_budget_and_its_prediction(family, fraction):
