@@ -71,6 +71,16 @@ class AloneMemory:
     backward: int  # the backward's peak above its start (its output's gradient arrived)
 
 
+def _inputs(probe: BlockProbe, input_grad: bool) -> tuple[Any, Any, list, torch.device]:
+    """(leaf, what the block gets, trainable parameters, device) for running `probe`'s block
+    alone; `input_grad`: its input requires a gradient even where the recorded one does not."""
+    x0 = probe.args[0]
+    if input_grad and isinstance(x0, torch.Tensor) and x0.is_floating_point():
+        x0 = x0.detach().requires_grad_()
+    x, x_in = detached_input(x0)
+    return x, x_in, [p for p in probe.block.parameters() if p.requires_grad], x.device
+
+
 def alone_memory(
     probe: BlockProbe,
     variant: Variant | None,
@@ -84,12 +94,7 @@ def alone_memory(
     again, plain and forward only, on its own output, for what it holds when the next block is
     plain too (``backward`` is then 0). `input_grad`: its input requires a gradient even where
     the recorded one does not (the first block of a model with frozen embeddings)."""
-    x0 = probe.args[0]
-    if input_grad and isinstance(x0, torch.Tensor) and x0.is_floating_point():
-        x0 = x0.detach().requires_grad_()
-    x, x_in = detached_input(x0)
-    params = [p for p in probe.block.parameters() if p.requires_grad]
-    device = x.device
+    x, x_in, params, device = _inputs(probe, input_grad)
     tracker, rec = AllocationTracker(device), StorageRecorder()
     rec.where = "block"
     table = {"variant": variant if variant is not None and variant.checkpoint else None}
@@ -153,12 +158,7 @@ def block_levels(
     with `backend`: one untimed forward + backward first (compilation, lazy state), then one
     measured as `variants.alone_memory` runs it (output kept, its gradient made inside autograd;
     `input_grad`: its input requires one, as a later block's does)."""
-    x0 = probe.args[0]
-    if input_grad and isinstance(x0, torch.Tensor) and x0.is_floating_point():
-        x0 = x0.detach().requires_grad_()
-    x, x_in = detached_input(x0)
-    params = [p for p in probe.block.parameters() if p.requires_grad]
-    device = x.device
+    x, x_in, params, device = _inputs(probe, input_grad)
     table = {"v": variant}
     with table_runtimes(probe.block, probe.path, probe.group, probe.ops, table) as runtimes:
         runtime = runtimes["v"]
@@ -180,7 +180,7 @@ def block_levels(
             mark("start")
             with autocast_context(device, autocast):
                 out = call(x_in, *probe.args[1:])
-            y = out[0] if isinstance(out, (tuple, list)) else out
+            y = _hidden(out)
             mark("forward_end")
             y.register_hook(lambda g: mark("backward_start"))
             loss = (y * torch.ones_like(y)).sum()
@@ -247,6 +247,20 @@ def run_nbytes(profile: Profile, group: str) -> int:
     )
 
 
+def _levels(
+    probe: BlockProbe,
+    variant: Variant,
+    autocast: torch.dtype | None,
+    compile: str | None,
+    input_grad: bool,
+) -> AloneMemory | Levels:
+    """The block alone under `variant`: eager (`alone_memory`) or compiled (`block_levels`);
+    either has the forward and backward peaks a table's difference is taken from."""
+    if compile is None:
+        return alone_memory(probe, variant, autocast, input_grad=input_grad)
+    return block_levels(probe, variant, autocast, compile, input_grad)
+
+
 def measure_variants(
     profile: Profile,
     probes: dict[str, BlockProbe],
@@ -259,7 +273,7 @@ def measure_variants(
     """Measure each (group, variant) not yet in ``profile.variant_transients`` against full
     recomputation on the same block and record the differences, and time it (`variant_times`,
     ``profile.variant_ms``); within `room` bytes (None: no limit). `compile`: the blocks run
-    compiled with this backend, so both are measured compiled (`compiled.block_levels`; the
+    compiled with this backend, so both are measured compiled (`block_levels`; the
     times stay eager). Returns how many were new."""
     new: dict[str, dict[str, Variant]] = {}
     cuda = sorted({p.args[0].device.index or 0 for p in probes.values() if p.args[0].is_cuda})
@@ -273,24 +287,12 @@ def measure_variants(
                 continue
             g = profile.groups.get(group)
             later = later_input(probe, g.num_blocks if g is not None else 1)
-            if compile is not None:  # compiled tables against compiled full recomputation
-                base_key = f"{recompute_key(group)}:{compile}"
-                if base_key not in profile.variant_transients:
-                    full = block_levels(probe, FULL_RECOMPUTE, autocast, compile, later)
-                    profile.variant_transients[base_key] = [full.forward, full.backward]
-                base = profile.variant_transients[base_key]
-                m = block_levels(probe, variant, autocast, compile, later)
-                profile.variant_transients[key] = [m.forward - base[0], m.backward - base[1]]
-                new.setdefault(group, {})[key] = variant
-                continue
-            base = profile.variant_transients.get(recompute_key(group))
+            base_key = recompute_key(group) + (f":{compile}" if compile else "")
+            base = profile.variant_transients.get(base_key)
             if base is None:
-                full = alone_memory(probe, FULL_RECOMPUTE, autocast, input_grad=later)
-                base = profile.variant_transients[recompute_key(group)] = [
-                    full.forward,
-                    full.backward,
-                ]
-            m = alone_memory(probe, variant, autocast, input_grad=later)
+                full = _levels(probe, FULL_RECOMPUTE, autocast, compile, later)
+                base = profile.variant_transients[base_key] = [full.forward, full.backward]
+            m = _levels(probe, variant, autocast, compile, later)
             profile.variant_transients[key] = [m.forward - base[0], m.backward - base[1]]
             new.setdefault(group, {})[key] = variant
     for group, timed in new.items():
