@@ -36,11 +36,10 @@ from torch import nn
 
 from ..policy import Policy
 from ..runtime import apply_adacc
-from ..runtime.head import chunked_head_problem
 from ..runtime.peak import measure_step_peak
 from ..runtime.trace import autocast_context, train_mode
 from ..schema import HeadCost, Profile, Timeline
-from .head import head_cost, head_hidden, head_losses
+from .head import head_cost, head_hidden, head_losses, lm_head
 from .memory import timeline_policy
 from .variants import FULL_RECOMPUTE, Levels, block_levels, fresh_code
 
@@ -88,14 +87,11 @@ def head_shift(
     """The model's own LM head and loss (`head.measure_heads`'s ``"full"`` way) compiled with
     `backend` minus eager, on the whole batch (None: a model without a separate LM head or a
     batch without labels: the head stays as measured)."""
-    lm = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    labels = batch.get("labels")
-    if chunked_head_problem(base) is not None or not isinstance(labels, torch.Tensor):
+    found = lm_head(base, batch)
+    if found is None:
         return None
-    assert isinstance(lm, nn.Linear)
+    lm, labels, params = found
     device = lm.weight.device
-    labels = labels.to(device)
-    params = [p for p in lm.parameters() if p.requires_grad]
     full = head_losses(base, lm, labels, 1)["full"]
     compiled = torch.compile(fresh_code(full), backend=backend, dynamic=False)
     x = head_hidden(lm, labels)

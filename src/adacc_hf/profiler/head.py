@@ -125,6 +125,21 @@ def head_peak(cost: HeadCost) -> int:
     return max(cost.forward_peak, cost.backward_peak)
 
 
+def lm_head(
+    base: nn.Module, batch: Mapping[str, Any]
+) -> tuple[nn.Linear, torch.Tensor, list[torch.Tensor]] | None:
+    """(the LM head, the batch's labels on its device, its trainable parameters) of a model
+    whose head can run alone (`runtime.head.chunked_head_problem`), or None (no separate head,
+    or a batch without labels)."""
+    lm = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    labels = batch.get("labels")
+    if chunked_head_problem(base) is not None or not isinstance(labels, torch.Tensor):
+        return None
+    assert isinstance(lm, nn.Linear)
+    params = [p for p in lm.parameters() if p.requires_grad]
+    return lm, labels.to(lm.weight.device), params
+
+
 def measure_heads(
     base: nn.Module,
     batch: Mapping[str, Any],
@@ -143,16 +158,13 @@ def measure_heads(
     `rest_nbytes`, plus the head's peak continued from two slices, bytes only, `AFFINE_MARGIN`
     above); then every way, as the timeline runs the chunked head and is moved back by their
     difference."""
-    lm = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    labels = batch.get("labels")
-    if chunked_head_problem(base) is not None or not isinstance(labels, torch.Tensor):
+    found = lm_head(base, batch)
+    if found is None:
         return {}  # one way only (the model's own, in the timeline): nothing to choose
     if head == "full" and room is None:
         return {}  # the timeline runs the model's own head whatever it holds
-    assert isinstance(lm, nn.Linear)
+    lm, labels, params = found
     device = lm.weight.device
-    labels = labels.to(device)
-    params = [p for p in lm.parameters() if p.requires_grad]
     rows, length = labels.shape[0], labels.shape[-1]
     chunk = default_chunk_rows(rows * length, lm.in_features, lm.out_features)
     first = {"full": max(1, round(length * FIRST_SLICE)), "chunked": -(-chunk // rows)}
