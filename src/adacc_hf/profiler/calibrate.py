@@ -124,11 +124,13 @@ def table_runtimes(
     group: str,
     specs: list[OpSpec],
     variants: Mapping[str, Variant | None],
+    compiled: bool = False,
 ) -> Iterator[dict[str, BlockRuntime | None]]:
     """A `BlockRuntime` on `block` per action table (None: the plain block), removed on exit;
-    tables that offload share one host store."""
+    tables that offload share one host store. `compiled`: they run compiled, measured as such
+    (their compile contexts do not warn of an eager plan)."""
     runtimes = {
-        n: BlockRuntime(block, path, group, GroupPolicy(specs, [v]), v, set())
+        n: BlockRuntime(block, path, group, GroupPolicy(specs, [v]), v, set(), compiled)
         if v is not None
         else None
         for n, v in variants.items()

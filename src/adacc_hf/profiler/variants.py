@@ -160,11 +160,9 @@ def block_levels(
     `input_grad`: its input requires one, as a later block's does)."""
     x, x_in, params, device = _inputs(probe, input_grad)
     table = {"v": variant}
-    with table_runtimes(probe.block, probe.path, probe.group, probe.ops, table) as runtimes:
-        runtime = runtimes["v"]
-        if runtime is not None and backend and variant is not None:
-            runtime.planned_for_compile = True  # measuring the compiled block: no warning
-            runtime.set_variant(variant)
+    block = probe.block
+    with table_runtimes(block, probe.path, probe.group, probe.ops, table, bool(backend)) as rts:
+        runtime = rts["v"]
 
         def forward(*args: Any) -> Any:
             return runtime(probe.fn, *args) if runtime is not None else probe.fn(*args)

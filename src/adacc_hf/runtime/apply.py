@@ -43,10 +43,9 @@ class AdaccHandle:
                 self._saved.append(
                     (block, {a: block.__dict__[a] for a in _ATTRS if a in block.__dict__})
                 )
-                rt = BlockRuntime(block, path, group.name, gp, variant, warned)
+                compiled = bool(self.policy.metadata.get("compile"))
+                rt = BlockRuntime(block, path, group.name, gp, variant, warned, compiled)
                 rt.root = self.model
-                rt.planned_for_compile = bool(self.policy.metadata.get("compile"))
-                rt.set_variant(variant)  # its compile context says so
                 self.runtimes[path] = rt
                 block.gradient_checkpointing = True
                 block._gradient_checkpointing_func = rt

@@ -89,6 +89,7 @@ class BlockRuntime:
         gp: GroupPolicy,
         variant: Variant,
         warned: set,
+        planned_for_compile: bool = False,
     ) -> None:
         self.block = block
         self.root: Any = None  # the patched model (set by apply): compiled later -> an error
@@ -109,7 +110,8 @@ class BlockRuntime:
         self._unstable: set[tuple] = set()  # signatures whose op sequence changed in a bucket
         self.host: HostStore | None = None  # set by apply where a policy offloads anything
         self.version = 0  # the variant's number (op list and kept ops): compiled graphs guard on it
-        self.planned_for_compile = False  # the policy was planned from a compile profile
+        # the policy was planned from a compile profile: its compile contexts do not warn
+        self.planned_for_compile = planned_for_compile
         self._versions: dict[tuple, int] = {}
         self.set_variant(variant, gp)
 
