@@ -91,8 +91,8 @@ class AdaccConfig:
     # the host memory available when the first plan is made (`runtime.offload`).
     offload_host_cap: int | str | None = None
     # The model's blocks will run under torch.compile with this backend (True: "inductor"): the
-    # profile measures them compiled too (`profiler.compiled`), and plans neither compress nor
-    # offload (no compiled form yet). None / False: eager.
+    # profile measures them compiled too (`profiler.compiled`); compressed ops run through
+    # `runtime.saved_codecs`; offload is not planned (no compiled form yet). None / False: eager.
     compile: bool | str | None = None
 
     def __post_init__(self) -> None:
@@ -154,18 +154,12 @@ class AdaccConfig:
             raise AdaccError(
                 f"compile must be a torch.compile backend name, True or None, not {self.compile!r}"
             )
-        if self.codecs:
-            raise AdaccError(
-                f"compile={self.compile!r} with codecs {self.codecs}: compression has no compiled "
-                "form yet; leave the codecs out (compile plans retain / recompute only) or leave "
-                "compile off"
-            )
         if self.offload:
             raise AdaccError(
                 f"compile={self.compile!r} with offload=True: offload has no compiled form yet; "
                 "leave offload out (or False) or leave compile off"
             )
-        self.codecs, self.offload = [], False
+        self.offload = False
 
     def static_options(self) -> dict[str, Any]:
         """The `solver.estimate_static_memory` options of this run."""

@@ -20,6 +20,7 @@ which no noise can hide), ``compress - keep`` = the codecs' encode + decode.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime import saved_codecs
 from ..runtime.checkpoint import BlockRuntime
 from ..runtime.offload import HostStore
 from ..runtime.overhead import dispatch_overhead_ms
@@ -128,7 +130,8 @@ def table_runtimes(
 ) -> Iterator[dict[str, BlockRuntime | None]]:
     """A `BlockRuntime` on `block` per action table (None: the plain block), removed on exit;
     tables that offload share one host store. `compiled`: they run compiled, measured as such
-    (their compile contexts do not warn of an eager plan)."""
+    (their compile contexts do not warn of an eager plan, and compressed ops run through
+    `saved_codecs`' hooks, installed meanwhile)."""
     runtimes = {
         n: BlockRuntime(block, path, group, GroupPolicy(specs, [v]), v, set(), compiled)
         if v is not None
@@ -141,8 +144,10 @@ def table_runtimes(
         for rt in runtimes.values():
             if rt is not None:
                 rt.host = host
+    hooks = saved_codecs.active() if compiled else contextlib.nullcontext()
     try:
-        yield runtimes
+        with hooks:
+            yield runtimes
     finally:
         for rt in runtimes.values():
             if rt is not None:

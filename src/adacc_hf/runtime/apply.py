@@ -9,6 +9,7 @@ from torch import nn
 from ..adapters import get_adapter, unwrap_model
 from ..errors import AdaccError, AlreadyAppliedError
 from ..policy import Policy
+from . import saved_codecs
 from .checkpoint import BlockRuntime
 from .head import HeadPatch
 from .offload import HostStore
@@ -28,6 +29,7 @@ class AdaccHandle:
         self.runtimes: dict[str, BlockRuntime] = {}
         self._saved: list[tuple[nn.Module, dict[str, Any]]] = []
         self.head: HeadPatch | None = None  # the chunked LM head, when the policy asks for it
+        self.codec_hooks = False  # `saved_codecs` pushed for this handle
         self.active = False
 
     def _install(self) -> None:
@@ -51,6 +53,7 @@ class AdaccHandle:
                 block._gradient_checkpointing_func = rt
         self._set_head(self.policy.head)
         self._set_host(self.policy)
+        self._set_codec_hooks(self.policy)
         setattr(self.model, _HANDLE_ATTR, self)
         self.active = True
 
@@ -69,6 +72,7 @@ class AdaccHandle:
         self._saved.clear()
         self.runtimes.clear()
         self._set_head("full")
+        self._set_codec_hooks(None)
         self.model.__dict__.pop(_HANDLE_ATTR, None)
         self.active = False
 
@@ -91,6 +95,7 @@ class AdaccHandle:
                     rt.set_variant(variant, gp)
             self._set_head(policy.head)
             self._set_host(policy)
+            self._set_codec_hooks(policy)
             self.policy = policy
             return
         self.remove()
@@ -108,6 +113,25 @@ class AdaccHandle:
             self.host = HostStore(device, self.host_cap)
         for rt in self.runtimes.values():
             rt.host = self.host
+
+    def _set_codec_hooks(self, policy: Policy | None) -> None:
+        """Install `saved_codecs`' hooks while a policy planned for compile compresses (compiled
+        graphs encode its outputs through them), remove them otherwise."""
+        need = (
+            policy is not None
+            and bool(policy.metadata.get("compile"))
+            and any(
+                a.kind == "compress"
+                for gp in policy.groups.values()
+                for v in gp.variants
+                for a in v.actions.values()
+            )
+        )
+        if need and not self.codec_hooks:
+            saved_codecs.push()
+        elif self.codec_hooks and not need:
+            saved_codecs.pop()
+        self.codec_hooks = need
 
     def _set_head(self, head: str) -> None:
         """Install or remove the chunked LM head (`runtime.head`) to match `head`."""
@@ -168,8 +192,9 @@ def apply_adacc(model: nn.Module, policy: Policy, host_cap: int | None = None) -
 
     Works on plain transformers models and on PEFT-wrapped ones; patches only this instance.
     A model compiled with ``torch.compile`` (before or after) runs the policy's retain /
-    recompute decisions as selective-checkpoint tags; compression and offload are refused when
-    the block is traced (docs/compile.md).
+    recompute decisions as selective-checkpoint tags and, for a policy planned with ``compile=``,
+    its compressed ops through `saved_codecs`; offload is refused when the block is traced
+    (docs/compile.md).
     """
     base = unwrap_model(model)
     existing = base.__dict__.get(_HANDLE_ATTR)

@@ -137,7 +137,9 @@ class BlockRuntime:
         self._tags = functools.partial(
             contexts, wanted(self.specs, self.actions), not self.planned_for_compile
         )
-        self._refusal = compile_refusal(self.path, self.actions, self.offload_input)
+        self._refusal = compile_refusal(
+            self.path, self.actions, self.offload_input, self.planned_for_compile
+        )
 
     def codec(self, action: Action) -> Codec:
         c = self._codecs.get(action)
