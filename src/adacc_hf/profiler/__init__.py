@@ -243,7 +243,9 @@ def _profile_model(
             handle.remove()
         try:
             with torch.random.fork_rng(devices=devices_of(base)), phase("compiled"):
-                measure_compiled(profile, base, batch, autocast, compile, probes, (groups, specs))
+                measure_compiled(
+                    profile, base, batch, autocast, compile, probes, (groups, specs), room
+                )
         finally:
             if active is not None:
                 handle.set_policy(active)

@@ -27,6 +27,7 @@ user's model compiles into.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ from ..schema import HeadCost, Profile, Timeline
 from .head import head_cost, head_hidden, head_losses, lm_head
 from .memory import timeline_policy
 from .variants import FULL_RECOMPUTE, Levels, block_levels, fresh_code
+
+logger = logging.getLogger("adacc_hf")
 
 
 @dataclass(frozen=True)
@@ -226,18 +229,22 @@ def whole_step_phases(
     policy: Policy,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """The model's forward + backward under `policy` measured whole (`measure_step_peak`'s
-    phases), eager and compiled with `backend` (compiled afresh: `_fresh`)."""
+    phases, as bytes above the live state), eager and compiled with `backend` (compiled afresh:
+    `_fresh`)."""
 
     def run(**kwargs: Any) -> Any:
         return base(**kwargs)
 
+    def added(peak: Any) -> dict[str, int]:
+        return {k: v - peak.baseline_nbytes for k, v in peak.phases.items()}
+
     with apply_adacc(base, policy), train_mode(base):
-        eager = measure_step_peak(base, batch, autocast=autocast).phases
+        eager = added(measure_step_peak(base, batch, autocast=autocast))
         base.zero_grad(set_to_none=True)
         whole = _Whole(base, torch.compile(fresh_code(run), backend=backend, dynamic=False))
         measure_step_peak(whole, batch, autocast=autocast)  # compiles
         base.zero_grad(set_to_none=True)
-        compiled = measure_step_peak(whole, batch, autocast=autocast).phases
+        compiled = added(measure_step_peak(whole, batch, autocast=autocast))
         base.zero_grad(set_to_none=True)
     return eager, compiled
 
@@ -250,6 +257,7 @@ def measure_compiled(
     backend: str,
     probes: Mapping[str, Any],
     groups_specs: tuple[list, dict],
+    room: int | None = None,
 ) -> None:
     """Move `profile` (measured eagerly) to the blocks and head compiled with `backend`, and
     record in ``profile.compiled`` the shifts and the whole step's residuals: what the model
@@ -258,7 +266,9 @@ def measure_compiled(
     (``residual_plain``: the first group's first block plain). Inductor schedules one backward
     graph for the whole model, which the parts measured alone do not see; on GPT-2 the residual
     with every block recomputed (17.8 MiB on the CPU preset) mostly goes once any block is plain.
-    The gradients already in ``.grad`` are put back."""
+    The run with a plain block is skipped when it would not fit `room` (the bytes profiling may
+    add; None: no limit): ``residual_plain`` is then ``residual``, the larger one. The gradients
+    already in ``.grad`` are put back."""
     before = timeline_phases(profile)
     shifts = compiled_shifts(probes, autocast, backend)
     head = head_shift(base, batch, autocast, backend)
@@ -271,11 +281,23 @@ def measure_compiled(
     grads = {p: p.grad for p in base.parameters()}
     for p in grads:
         p.grad = None
-    residuals = []
+    residuals: list[list[int]] = []
+    need = 0  # the bytes the all-checkpointed compiled step added
     try:
         for plain, move in ((None, 0), (groups[0].name, plain_move)):
+            if residuals and room is not None and need + move > room:
+                logger.info(
+                    "adacc: compiled profile: the whole step with a plain block (%.1f MiB) does "
+                    "not fit the %.1f MiB profiling may use: its residual is taken as full "
+                    "recomputation's",
+                    (need + move) / 2**20,
+                    room / 2**20,
+                )
+                residuals.append(residuals[0])
+                continue
             policy = timeline_policy(base, groups, specs, plain)
             eager, comp = whole_step_phases(base, batch, autocast, backend, policy)
+            need = max(comp.values(), default=0)
             residuals.append(
                 [
                     max(0, (comp[ph] - eager[ph]) - (a - b) - move)
