@@ -336,13 +336,13 @@ def test_a_compile_session_plans_a_new_bucket_compiled_while_its_policy_runs():
 def test_the_compiled_profile_skips_the_plain_block_step_that_does_not_fit_its_room(caplog):
     """On a device with a cap, profiling must not pass the budget: the whole step with a plain
     block (full recomputation's bytes plus one block's) is skipped when it does not fit the
-    room, and its residual taken as full recomputation's, the larger one."""
+    room, and its residual taken as full recomputation's (measured, they differ here)."""
     from adacc_hf import profile_model
 
     model, batch = _model("llama")
     kw = dict(repeats=1, compile="aot_eager")
     full = profile_model(model, batch, **kw).compiled
-    assert "residual_plain" in full
+    assert full["residual_plain"] != full["residual"]  # so the stand-in below is seen
     with caplog.at_level("INFO", logger="adacc_hf"):
         tight = profile_model(model, batch, room=1, **kw).compiled
     assert tight["residual_plain"] == tight["residual"]
