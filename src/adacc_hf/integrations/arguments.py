@@ -246,7 +246,7 @@ class AdaccTrainingArguments(TrainingArguments):
             expandable_segments=self.adacc_expandable_segments,
             profile_from=self.adacc_profile,
             # --torch_compile: the Trainer compiles the model whole (Accelerate), adacc profiles
-            # its blocks and head compiled with the same backend and plans retain / recompute
+            # its blocks and head compiled with the same backend and plans without offload
             compile=(getattr(self, "torch_compile_backend", None) or "inductor")
             if getattr(self, "torch_compile", False)
             else None,
