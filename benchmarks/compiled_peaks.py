@@ -5,8 +5,9 @@
 One model of the CPU preset, AdamW with its states present. A compile profile
 (`prepare(..., compile=backend)`) gives the least step peak and no checkpointing's; at each
 `--fractions` of the way between them a fresh copy of the model is planned, compiled whole with
-the backend and one training step measured by the allocator (`measure_step_peak`): its peak
-against the prediction and the budget, with the plan and whether it keeps ops.
+the backend (``--regional``: each block compiled on its own) and one training step measured by
+the allocator (`measure_step_peak`): its peak against the prediction and the budget, with the
+plan and whether it keeps ops.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if __package__ in (None, ""):
     sys.path.append(str(ROOT))
 
 from adacc_hf import measure_step_peak, prepare  # noqa: E402
+from adacc_hf.adapters import get_adapter  # noqa: E402
 from adacc_hf.solver.step import extreme_peaks  # noqa: E402
 from benchmarks.harness.models import find_specs  # noqa: E402
 from benchmarks.harness.steps import optimizer_with_states  # noqa: E402
@@ -36,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="llama-cpu")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.03, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument(
+        "--regional",
+        action="store_true",
+        help="compile each block on its own (layer.compile()) instead of the model whole",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     (spec,) = find_specs("cpu", [args.model])
@@ -51,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": spec.name,
         "batch": [spec.main_batch, spec.seq_len],
         "backend": args.backend,
+        "regional": args.regional,
         "torch": torch.__version__,
         "command": "python benchmarks/compiled_peaks.py " + " ".join(argv or sys.argv[1:]),
         "least_nbytes": lo.peak_nbytes,
@@ -69,7 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         policy = session.handle.policy
         predicted = policy.metadata["predicted"]["peak_nbytes"]
         keeps = any(v.actions for g in policy.groups.values() for v in g.variants if v.count)
-        step = torch.compile(model, backend=args.backend)
+        if args.regional:
+            for group in get_adapter(model).block_groups(model):
+                for block in group.modules:
+                    block.compile(backend=args.backend)
+            step = model
+        else:
+            step = torch.compile(model, backend=args.backend)
         step(**batch).loss.backward()  # compiles
         opt.step()
         opt.zero_grad(set_to_none=True)

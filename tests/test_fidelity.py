@@ -89,3 +89,24 @@ def test_solved_policies_with_gpu_cheap_codecs_stay_within_the_bound(smollm2):
         assert policy_block_error(probes, policy) <= 1.05 * MAX_GRAD_ERROR
         assert _whole_error(model, batch, ref, policy) <= WHOLE_MODEL_BOUND
     assert compressed  # the sweep exercised codecs, not only retain / recompute
+
+
+@pytest.mark.slow  # ~2 min: aot_eager compiles the 30-layer model
+def test_compiled_compression_keeps_the_pretrained_gradients_of_eager_compression(smollm2):
+    """Under ``torch.compile`` (aot_eager) with every op compressed, the pretrained model's
+    gradients equal eager compression's bit for bit, so they are within the same bar."""
+    import torch
+
+    model, batch, ref = smollm2
+    policy = uniform_policy(model, "compress", batch)
+    policy.metadata["compile"] = "aot_eager"  # as `prepare(..., compile="aot_eager")` marks it
+    torch._dynamo.reset()
+    with apply_adacc(model, policy):
+        _, eager, _ = step(model, batch)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1234)
+        torch.compile(model, backend="aot_eager")(**batch).loss.backward()
+    torch._dynamo.reset()
+    got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert all(torch.equal(got[k], eager[k]) for k in eager)
+    assert 0 < grad_rel_error(got, ref) <= WHOLE_MODEL_BOUND

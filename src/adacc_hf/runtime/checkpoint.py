@@ -47,13 +47,6 @@ _COMPILE_MSG = (
 )
 
 
-_REGIONAL_MSG = (
-    "block {path} was compiled on its own (regional compilation, e.g. layer.compile()): adacc "
-    "cannot run its policy around a separately compiled block (its gradients would be wrong). "
-    "Compile the whole model instead: torch.compile(model) after prepare(..., "
-    "compile=<backend>), or the Trainer's torch_compile=True; see docs/compile.md"
-)
-
 _OWN_RUNS = [0]  # >0 while adacc runs blocks itself (planning inside a compiled model's hook)
 
 
@@ -156,11 +149,10 @@ class BlockRuntime:
         self._unstable.clear()
 
     def __call__(self, fn, *args):
-        if getattr(self.block, "_compiled_call_impl", None) is not None:
-            raise AdaccError(_REGIONAL_MSG.format(path=self.path))
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # the model or the block itself is being compiled
             return self._compiled(fn, args)
-        if _eager_in_compiled(self.root):  # dynamo fell back to eager here (a raise traced too)
+        if _eager_in_compiled(self.root) or _eager_in_compiled(self.block):
+            # dynamo fell back to eager here (a graph break; a raise traced too)
             raise compiled_refusal(self._refusal) if self._refusal else AdaccError(_COMPILE_MSG)
         if not self.offloads or not torch.is_grad_enabled():
             return self._run(fn, args, None)
