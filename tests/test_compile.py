@@ -25,7 +25,7 @@ from adacc_hf import (
 )
 from adacc_hf.errors import AdaccError
 from adacc_hf.integrations.config import AdaccConfig
-from adacc_hf.schema import Action
+from adacc_hf.schema import Action, Variant
 from adacc_hf.solver.step import extreme_peaks
 
 RECOMPUTE = Action.recompute()
@@ -302,20 +302,31 @@ def test_compile_plans_without_offload_and_says_what_conflicts():
         AdaccConfig(compile=3)
 
 
-@pytest.mark.parametrize("kind", ["attention", "compress"])
+def _two_variants(model, batch):
+    """Five blocks recompute attention, the next five compress every op."""
+    attn = attention_recompute_policy(model, batch)
+    mixed = _compressing(model, batch, "aot_eager")
+    for name, gp in mixed.groups.items():
+        a, c = attn.groups[name].variants[0], gp.variants[0]
+        gp.variants = [Variant(5, True, dict(a.actions)), Variant(5, True, dict(c.actions))]
+    return mixed
+
+
+@pytest.mark.parametrize("kind", ["attention", "compress", "two variants"])
 def test_blocks_compiled_on_their_own_give_eager_adaccs_gradients(kind):
     """Regional compilation (``layer.compile()`` on every block): transformers checkpoints a
     block's ``forward``, so adacc's runtime is traced inside each block's compiled call and runs
     its policy as tags and codec hooks there. Ten blocks, more than dynamo's recompile limit (8):
-    they share one graph. Gradients equal eager Adacc's bit for bit (aot_eager), twice over, and a
-    new policy recompiles and trains with its own decisions."""
+    they share one graph per variant (each variant's number is the same in every block's runtime,
+    and dynamo guards on it). Gradients equal eager Adacc's bit for bit (aot_eager), twice over,
+    and a new policy recompiles and trains with its own decisions."""
     model = assets.tiny_model("llama", num_hidden_layers=10)
     model, batch = _model("llama", model)
-    planned = (
-        attention_recompute_policy(model, batch)
-        if kind == "attention"
-        else _compressing(model, batch, "aot_eager")
-    )
+    planned = {
+        "attention": attention_recompute_policy,
+        "compress": lambda m, b: _compressing(m, b, "aot_eager"),
+        "two variants": _two_variants,
+    }[kind](model, batch)
     full = uniform_policy(model, "recompute", batch)
     handle = apply_adacc(model, full)
     want_full = _grads(model, model, batch)

@@ -47,6 +47,8 @@ _COMPILE_MSG = (
 )
 
 
+#: Every distinct (op list, kept ops, input offload) a runtime ran, numbered for dynamo's guards.
+_VERSIONS: dict[tuple, int] = {}
 _OWN_RUNS = [0]  # >0 while adacc runs blocks itself (planning inside a compiled model's hook)
 
 
@@ -105,7 +107,7 @@ class BlockRuntime:
         self.version = 0  # the variant's number (op list and kept ops): compiled graphs guard on it
         # the policy was planned from a compile profile: its compile contexts do not warn
         self.planned_for_compile = planned_for_compile
-        self._versions: dict[tuple, int] = {}
+        self._sig: tuple = ()
         self.set_variant(variant, gp)
 
     def set_variant(self, variant: Variant, gp: GroupPolicy | None = None) -> None:
@@ -114,17 +116,18 @@ class BlockRuntime:
         if gp is not None and list(gp.ops) != self.specs:
             self.specs = list(gp.ops)
             self._spec = {s.key: s for s in self.specs}
-            sig = spec_signature(self.specs)
-            self._skey = self._spec_ids.setdefault(sig, len(self._spec_ids))
+            self._sig = spec_signature(self.specs)
+            self._skey = self._spec_ids.setdefault(self._sig, len(self._spec_ids))
         self.actions: dict[str, Action] = dict(variant.actions)
         self._vkey = tuple(sorted((k, a) for k, a in self.actions.items() if a.kind != "recompute"))
         self.keeps_any = bool(self._vkey)
         self.offload_input = variant.offload_input
         self.offloads = variant.offloads
-        # the same variant again (a bucket planned before) keeps its number: its compiled graph
-        # is still in dynamo's cache, so switching back recompiles nothing
-        key = (self._skey, self._vkey, self.offload_input)
-        self.version = self._versions.setdefault(key, len(self._versions) + 1)
+        # the same variant again (a bucket planned before, or another block: compiled on its own,
+        # blocks share their code) has the same number in every runtime: its compiled graph is
+        # still in dynamo's cache, so switching back recompiles nothing
+        key = (self._sig, self._vkey, self.offload_input)
+        self.version = _VERSIONS.setdefault(key, len(_VERSIONS) + 1)
         # under torch.compile: the retained ops as selective-checkpoint tags (`compiled`), or why
         # the variant has no such form
         self._tags = functools.partial(
