@@ -121,7 +121,7 @@ def _compressing(model, batch, backend: str | None):
     return policy
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_compiled_compression_gives_eager_adaccs_gradients_bit_for_bit(family):
     """Each compressed op's output is encoded in the compiled forward and decoded in the
     compiled backward by the same codec on the same tensor: with aot_eager (the trace's own aten
@@ -312,7 +312,14 @@ def _two_variants(model, batch):
     return mixed
 
 
-@pytest.mark.parametrize("kind", ["attention", "compress", "two variants"])
+@pytest.mark.parametrize(
+    "kind",
+    [  # the two-variant policy retains in some blocks and compresses in others
+        pytest.param("attention", marks=pytest.mark.slow),
+        pytest.param("compress", marks=pytest.mark.slow),
+        "two variants",
+    ],
+)
 def test_blocks_compiled_on_their_own_give_eager_adaccs_gradients(kind):
     """Regional compilation (``layer.compile()`` on every block): transformers checkpoints a
     block's ``forward``, so adacc's runtime is traced inside each block's compiled call and runs
