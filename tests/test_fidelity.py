@@ -91,22 +91,34 @@ def test_solved_policies_with_gpu_cheap_codecs_stay_within_the_bound(smollm2):
     assert compressed  # the sweep exercised codecs, not only retain / recompute
 
 
-@pytest.mark.slow  # ~2 min: aot_eager compiles the 30-layer model
+@pytest.mark.slow  # ~2 min: aot_eager compiles the 30-layer model three times
 def test_compiled_compression_keeps_the_pretrained_gradients_of_eager_compression(smollm2):
     """Under ``torch.compile`` (aot_eager) with every op compressed, the pretrained model's
-    gradients equal eager compression's bit for bit, so they are within the same bar."""
+    gradients are eager compression's within 1e-5. Not bit for bit here: compiling alone moves
+    this model's gradients by 6.2e-7 (the unpatched model compiled against eager, and so does a
+    retain / recompute policy; on the tiny models both are exact). Compressed, the compiled step
+    is 6.5e-7 from eager's, its error against the unpatched model the same 0.2528."""
     import torch
 
     model, batch, ref = smollm2
-    policy = uniform_policy(model, "compress", batch)
-    policy.metadata["compile"] = "aot_eager"  # as `prepare(..., compile="aot_eager")` marks it
-    torch._dynamo.reset()
-    with apply_adacc(model, policy):
-        _, eager, _ = step(model, batch)
+
+    def compiled_grads() -> dict:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1234)
         torch.compile(model, backend="aot_eager")(**batch).loss.backward()
+        torch._dynamo.reset()
+        return {
+            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+
     torch._dynamo.reset()
-    got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    assert all(torch.equal(got[k], eager[k]) for k in eager)
+    floor = grad_rel_error(compiled_grads(), ref)  # what compiling alone moves
+    policy = uniform_policy(model, "compress", batch)
+    policy.metadata["compile"] = "aot_eager"  # as `prepare(..., compile="aot_eager")` marks it
+    with apply_adacc(model, policy):
+        _, eager, _ = step(model, batch)
+        got = compiled_grads()
+    assert floor < 1e-5
+    assert grad_rel_error(got, eager) <= 1e-5
+    assert abs(grad_rel_error(got, ref) - grad_rel_error(eager, ref)) <= 1e-5
     assert 0 < grad_rel_error(got, ref) <= WHOLE_MODEL_BOUND
