@@ -381,3 +381,34 @@ def test_the_compiled_profile_skips_the_plain_block_step_that_does_not_fit_its_r
         tight = profile_model(model, batch, room=1, **kw).compiled
     assert tight["residual_plain"] == tight["residual"]
     assert "does not fit" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "codec", ["int4_outlier", "int4_channel", "int4_asym", "int4_naive", "fp8_e4m3", "bitpack"]
+)
+def test_the_saved_codec_ops_are_the_eager_codecs_and_pass_opcheck(codec):
+    """``adacc::saved_encode`` / ``saved_decode`` give the eager codec's decoded tensor bit for bit
+    (a transposed input comes back with its strides), and their schemas and fake implementations
+    pass torch's opcheck (what compiled graphs rely on)."""
+    from adacc_hf.codecs import get_codec
+    from adacc_hf.runtime import saved_codecs
+
+    torch.manual_seed(0)
+    x = torch.randn(48, 80)
+    x[3, 5] = 40.0  # an outlier
+    if codec == "bitpack":  # a dropout mask times its scale
+        x = (torch.rand(48, 80) > 0.1).float() / 0.9
+    spec = saved_codecs.spec(Action.compress(codec))
+    c = get_codec(codec)
+    # opcheck's schema test multiplies outputs, which torch has no CPU kernel for in float8
+    checks = (
+        {"test_utils": ("test_faketensor", "test_aot_dispatch_dynamic")} if "fp8" in codec else {}
+    )
+    for t in (x, x.t()):
+        payload = torch.ops.adacc.saved_encode(t, spec)
+        y = torch.ops.adacc.saved_decode(payload, spec, list(t.shape), list(t.stride()), t.dtype)
+        assert y.stride() == t.stride()
+        assert torch.equal(y, c.decode(c.encode(t.contiguous())))
+        torch.library.opcheck(torch.ops.adacc.saved_encode, (t, spec), **checks)
+        args = (payload, spec, list(t.shape), list(t.stride()), t.dtype)
+        torch.library.opcheck(torch.ops.adacc.saved_decode, args, **checks)
