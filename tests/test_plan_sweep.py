@@ -63,7 +63,9 @@ def test_step_peak_stays_within_budget_and_near_the_prediction(family, dtype, sh
     # steps, so neighbouring budgets' plans are priced by different profiles (seen 26 vs 35 ms on
     # a loaded CPU): only the ample end is checked here, as the cheapest. On one profile the added
     # time never grows with the budget (`test_solver.test_added_time_never_grows_with_the_budget`).
-    assert times[-1] == min(times), times
+    # No plan is faster than no checkpointing (added 0): another profile's calibration noise can
+    # price one below it (seen -3.5 ms), which the ample end's 0 still matches.
+    assert times[-1] <= max(min(times), 0.0), times
     if shapes == "dynamic":  # short batches get their own, cheaper plans
         first = next(r for r in rows if r.shape[1] == lengths[0])
         longest = next(
