@@ -348,6 +348,7 @@ def test_blocks_compiled_on_their_own_give_eager_adaccs_gradients(kind):
     handle.remove()
 
 
+@pytest.mark.slow  # ~22 s: two compile profiles and a compiled step per bucket
 def test_a_compile_session_plans_a_new_bucket_compiled_while_its_policy_runs():
     """A longer batch in a compile session is profiled (compiled parts included) and planned
     inside the compiled model's call, while the first bucket's policy is applied; the compiled
