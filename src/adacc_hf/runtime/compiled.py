@@ -65,6 +65,10 @@ class Aligner:
                 # values and feed the next block; eager's next checkpoint saves it exact
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.MUST_RECOMPUTE
+        if keep != "retain" and self.pos == len(self.wanted):
+            # the block's output compressed: saved whole instead (eager's next checkpoint saves
+            # it exact; decoded, it would feed the next block's recompute)
+            keep = "retain"
         if keep != "retain":
             if not saved_codecs.installed():
                 raise AdaccError(
