@@ -35,6 +35,7 @@ class AdaccHandle:
     def _install(self) -> None:
         adapter = get_adapter(self.model)
         warned: set = set()
+        compiled = bool(self.policy.metadata.get("compile"))
         for group in adapter.block_groups(self.model):
             gp = self.policy.groups[group.name]
             for path, block, variant in zip(
@@ -45,7 +46,6 @@ class AdaccHandle:
                 self._saved.append(
                     (block, {a: block.__dict__[a] for a in _ATTRS if a in block.__dict__})
                 )
-                compiled = bool(self.policy.metadata.get("compile"))
                 rt = BlockRuntime(block, path, group.name, gp, variant, warned, compiled)
                 rt.root = self.model
                 self.runtimes[path] = rt

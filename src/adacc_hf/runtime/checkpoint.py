@@ -62,15 +62,16 @@ def own_eager_runs() -> Iterator[None]:
         _OWN_RUNS[0] -= 1
 
 
-def _eager_in_compiled(root: Any) -> bool:
+def _eager_in_compiled(*modules: Any) -> bool:
     """Whether this eager call comes from inside ``torch.compile``: an eager fallback inside a
-    compiled module (``torch.compile(model)``), or ``model.compile()``; never adacc's own runs."""
+    compiled module (``torch.compile(model)``), or one of `modules` compiled in place
+    (``model.compile()``, ``layer.compile()``); never adacc's own runs."""
     if _OWN_RUNS[0]:
         return False
     ef = sys.modules.get("torch._dynamo.eval_frame")
     if ef is not None and getattr(ef, "_is_in_optimized_module", lambda: False)():
         return True
-    return getattr(root, "_compiled_call_impl", None) is not None
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in modules)
 
 
 class BlockRuntime:
@@ -154,7 +155,7 @@ class BlockRuntime:
     def __call__(self, fn, *args):
         if torch.compiler.is_compiling():  # the model or the block itself is being compiled
             return self._compiled(fn, args)
-        if _eager_in_compiled(self.root) or _eager_in_compiled(self.block):
+        if _eager_in_compiled(self.root, self.block):
             # dynamo fell back to eager here (a graph break; a raise traced too)
             raise compiled_refusal(self._refusal) if self._refusal else AdaccError(_COMPILE_MSG)
         if not self.offloads or not torch.is_grad_enabled():
