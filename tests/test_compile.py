@@ -394,8 +394,9 @@ def test_the_compiled_profile_skips_the_plain_block_step_that_does_not_fit_its_r
 )
 def test_the_saved_codec_ops_are_the_eager_codecs_and_pass_opcheck(codec):
     """``adacc::saved_encode`` / ``saved_decode`` give the eager codec's decoded tensor bit for bit
-    (a transposed input comes back with its strides), and their schemas and fake implementations
-    pass torch's opcheck (what compiled graphs rely on)."""
+    on the same tensor, in its layout (a transposed input and one with permuted leading dims come
+    back with their strides), and their schemas and fake implementations pass torch's opcheck
+    (what compiled graphs rely on)."""
     from adacc_hf.codecs import get_codec
     from adacc_hf.runtime import saved_codecs
 
@@ -410,11 +411,12 @@ def test_the_saved_codec_ops_are_the_eager_codecs_and_pass_opcheck(codec):
     checks = (
         {"test_utils": ("test_faketensor", "test_aot_dispatch_dynamic")} if "fp8" in codec else {}
     )
-    for t in (x, x.t()):
+    permuted = x.reshape(6, 8, 80).transpose(0, 1)  # dense, last dim innermost: no copy
+    for t in (x, x.t(), permuted):
         payload = torch.ops.adacc.saved_encode(t, spec)
         y = torch.ops.adacc.saved_decode(payload, spec, list(t.shape), list(t.stride()), t.dtype)
         assert y.stride() == t.stride()
-        assert torch.equal(y, c.decode(c.encode(t.contiguous())))
+        assert torch.equal(y, c.decode(c.encode(t)))
         torch.library.opcheck(torch.ops.adacc.saved_encode, (t, spec), **checks)
         args = (payload, spec, list(t.shape), list(t.stride()), t.dtype)
         torch.library.opcheck(torch.ops.adacc.saved_decode, args, **checks)

@@ -66,7 +66,7 @@ def _flat(enc: Encoded) -> list[torch.Tensor]:
 
 
 def _encode(x: torch.Tensor, spec: str) -> list[torch.Tensor]:
-    return _flat(_codec(spec).encode(x.contiguous()))
+    return _flat(_codec(spec).encode(x))  # in memory order, as eager encodes it
 
 
 @custom_op("adacc::saved_encode", mutates_args=())
@@ -82,9 +82,12 @@ def _(x: torch.Tensor, spec: str) -> list[torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=256)
-def _template(spec: str, shape: tuple[int, ...], dtype: torch.dtype) -> Encoded:
-    """An encoding of this shape on the meta device: the payload's names and python meta."""
-    return _codec(spec).encode(torch.empty(shape, dtype=dtype, device="meta"))
+def _template(
+    spec: str, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype
+) -> Encoded:
+    """An encoding of this layout on the meta device: the payload's names, python meta and the
+    memory order it describes."""
+    return _codec(spec).encode(torch.empty_strided(shape, stride, dtype=dtype, device="meta"))
 
 
 @custom_op("adacc::saved_decode", mutates_args=())
@@ -95,13 +98,15 @@ def saved_decode(
     stride: list[int],
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The tensor `saved_encode` encoded, with the saved tensor's shape, strides and dtype."""
-    t = _template(spec, tuple(shape), dtype)
+    """The tensor `saved_encode` encoded, with the saved tensor's shape, strides and dtype (a
+    dense tensor with permuted leading dims comes back as a view in its layout, as eager's
+    decode returns it; any other layout is copied into it)."""
+    t = _template(spec, tuple(shape), tuple(stride), dtype)
     n = len(t.tensors)
     meta = dict(t.meta)
     meta.update(zip([k for k, v in t.meta.items() if torch.is_tensor(v)], payload[n:], strict=True))
-    enc = Encoded(t.codec, t.shape, dtype, dict(zip(t.tensors, payload[:n], strict=True)), meta)
-    y = _codec(spec).decode(enc)
+    tensors = dict(zip(t.tensors, payload[:n], strict=True))
+    y = _codec(spec).decode(Encoded(t.codec, t.shape, dtype, tensors, meta, t.order))
     if tuple(y.stride()) == tuple(stride):
         return y
     return torch.empty_strided(shape, stride, dtype=dtype, device=y.device).copy_(y)

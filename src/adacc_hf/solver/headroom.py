@@ -61,11 +61,11 @@ def planned_budget(
     not hold: `integrations.guard`, `integrations.oom`), and `headroom` (None: `headroom_for`) of
     the share left after static memory kept free, unless that fits no checkpointing at all
     (nothing data-dependent then; not for a compiled profile), with the LM head run as `head`
-    (or any measured way for "auto"). Never below the least step peak where the budget itself holds it: at the tight end
-    only the policies holding the least fit, and the step model predicts them as measured, so the
-    budget below full recomputation's peak stays free rather than filled with what the headroom
-    was meant to cover; and a reserve larger than the activation share leaves full
-    recomputation, not an infeasible plan."""
+    (or any measured way for "auto"). Never below the least step peak where the budget itself
+    holds it: at the tight end only the policies holding the least fit, and the step model
+    predicts them as measured, so the budget below full recomputation's peak stays free rather
+    than filled with what the headroom was meant to cover; and a reserve larger than the
+    activation share leaves full recomputation, not an infeasible plan."""
     if headroom is None:
         headroom = headroom_for(profile)
     peaks = [
