@@ -26,6 +26,7 @@ if __package__ in (None, ""):
 
 from adacc_hf import measure_step_peak, prepare  # noqa: E402
 from adacc_hf.adapters import get_adapter  # noqa: E402
+from adacc_hf.schema import variant_key  # noqa: E402
 from adacc_hf.solver.step import extreme_peaks  # noqa: E402
 from benchmarks.harness.models import find_specs  # noqa: E402
 from benchmarks.harness.steps import optimizer_with_states  # noqa: E402
@@ -77,6 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         policy = session.handle.policy
         predicted = policy.metadata["predicted"]["peak_nbytes"]
         keeps = any(v.actions for g in policy.groups.values() for v in g.variants if v.count)
+        tables = [
+            variant_key(name, v)
+            for name, g in policy.groups.items()
+            for v in g.variants
+            if v.count and v.checkpoint and v.actions
+        ]
+        measured_tables = sum(
+            len(session.profile.variant_transients.get(t, ())) == 3 for t in tables
+        )
         if args.regional:
             for group in get_adapter(model).block_groups(model):
                 for block in group.modules:
@@ -97,12 +107,16 @@ def main(argv: list[str] | None = None) -> int:
             "error": peak / predicted - 1,
             "fits": peak <= budget,
             "keeps_ops": keeps,
+            "moment": policy.metadata["predicted"].get("moment"),
+            "tables": len(tables),
+            "tables_measured_compiled": measured_tables,
             "policy": policy.summary(),
         }
         res["rows"].append(row)
         print(
             f"{spec.name} {f:g}: budget {budget / MiB:.1f} predicted {predicted / MiB:.1f} "
-            f"measured {peak / MiB:.1f} MiB ({row['error'] * 100:+.1f} %) {row['policy']}",
+            f"measured {peak / MiB:.1f} MiB ({row['error'] * 100:+.1f} %) at {row['moment']}, "
+            f"{measured_tables}/{len(tables)} tables measured {row['policy']}",
             flush=True,
         )
         if args.out:

@@ -227,11 +227,13 @@ def test_a_session_plans_each_new_bucket_eagerly_and_its_compiled_steps_train():
     session.close()
 
 
-def _planned(family: str, fraction: float, backend: str, compile_profile: bool = True):
+def _planned(
+    family: str, fraction: float, backend: str, compile_profile: bool = True, profiles=None
+):
     """A session planned at `fraction` of the way between the least step peak and no
     checkpointing's (both from a compile profile), then the model compiled whole with `backend`:
     (budget, predicted peak, measured peak of a compiled training step with SGD, whether the
-    plan keeps any op)."""
+    plan keeps any op). `profiles` (a list) gets the session's profile."""
     model, batch = _model(family)
     batch = assets.tiny_batch(family, model, batch_size=4, seq_len=64)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -252,6 +254,8 @@ def _planned(family: str, fraction: float, backend: str, compile_profile: bool =
     opt.step()
     opt.zero_grad(set_to_none=True)
     measured = measure_step_peak(step, batch, opt).peak_nbytes
+    if profiles is not None:
+        profiles.append(session.profile)
     session.close()
     return budget, predicted, measured, keeps
 
@@ -278,6 +282,19 @@ def test_a_compile_planned_step_fits_its_budget_and_its_prediction(family, fract
     assert measured <= 1.05 * predicted, (measured, predicted)
     if not keeps:
         assert measured >= 0.95 * predicted, (measured, predicted)
+
+
+@pytest.mark.parametrize("family", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
+def test_a_compile_planned_step_that_keeps_ops_is_predicted_from_its_own_compiled_step(family):
+    """The tags change what the partitioner saves around them, which the parts measured alone do
+    not see: planned from the parts, a plan keeping ops was 6-14 % over its compiled step on
+    the CPU suite's GPT-2 (8-10 % on this one's). The session measures the plan's whole step
+    compiled (`measure_plan`) and predicts it from there: within 5 % both ways."""
+    got: list = []
+    budget, predicted, measured, keeps = _planned(family, 0.5, "inductor", profiles=got)
+    assert keeps and got[0].compiled.get("plans"), "the plan's step was not measured"
+    assert measured <= budget, (measured, budget)
+    assert 0.95 * predicted <= measured <= 1.05 * predicted, (measured, predicted)
 
 
 @pytest.mark.slow  # ~3 min: inductor compiles of the tiny llama, profiles and steps

@@ -159,7 +159,8 @@ class AdaccSession(StepHooks):
         else:
             profile, probes = self.profile_bucket(batch, key, room)
         try:
-            policy = self.solve_measured(profile, probes, reserve, room)
+            sample = self._padded(batch, key) if probes else None  # the profiled batch
+            policy = self.solve_measured(profile, probes, reserve, room, sample)
         except BudgetError as e:
             if self.current is None:  # the run's first plans: fail before any work is lost
                 raise

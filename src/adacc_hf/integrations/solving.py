@@ -4,10 +4,14 @@ prediction checked against the budget with every measured table in it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from ..errors import AdaccError, BudgetError
 from ..evolution import tracking_need, tracking_room_cap
 from ..policy import Policy
 from ..profiler import BlockProbe, measure_policy
+from ..profiler.compiled import measure_plan
 from ..profiler.fidelity import policy_block_error
 from ..profiler.phases import phase
 from ..runtime.offload import measure_link
@@ -90,12 +94,15 @@ class SessionSolving(SessionProfiling):
         probes: dict[str, BlockProbe],
         reserve: int = 0,
         room: int | None = None,
+        batch: Mapping[str, Any] | None = None,
     ) -> Policy:
         """Solve; measure and time the action tables the policy uses on the profiled blocks
         (their real transients go into the profile) and their blocks' gradient error, and solve
         again with them, up to twice; the final policy's tables measured too, its predicted added
         time is theirs (`predict`). A measured gradient error above ``max_grad_error`` (the solver
-        predicts it from single-op errors in quadrature) scales the bound down by the miss."""
+        predicts it from single-op errors in quadrature) scales the bound down by the miss.
+        Planned for compile, with the profiled `batch`: the policy's whole step is measured
+        compiled too (`_measure_plan`)."""
         bound = self.config.max_grad_error
         with phase("solve"):
             policy = self.coordinator.share(lambda: self.solve(profile, reserve, bound))
@@ -117,8 +124,27 @@ class SessionSolving(SessionProfiling):
             with phase("solve"):
                 policy = self.coordinator.share(lambda b=bound: self.solve(profile, reserve, b))
         if probes:
+            if batch is not None:
+                self._measure_plan(profile, batch, self._compiled(policy), room)
             policy = self._within_budget(profile, probes, policy, reserve, room)
         return self._compiled(policy)
+
+    def _measure_plan(
+        self, profile: Profile, batch: Mapping[str, Any], policy: Policy, room: int | None
+    ) -> None:
+        """Planned for compile, `policy`'s whole step measured compiled on `batch`
+        (`profiler.compiled.measure_plan`): its prediction then holds what the compiled graph
+        saves around its tags. Skipped where its step is predicted not to fit `room` (the bytes
+        profiling may add) or the profile has no compiled whole step (its plan stays predicted
+        from the parts, the residuals' conservative side)."""
+        if not self.config.compile or "full_phases" not in profile.compiled:
+            return
+        acc, static = self.config.gradient_accumulation_steps, self._static()
+        adds = predict(profile, policy, static, acc).peak_nbytes - static.total
+        if room is not None and adds > room:
+            return
+        with self.own_forwards(), phase("compiled_plan"):
+            measure_plan(profile, self.model, batch, self.autocast, policy)
 
     def _compiled(self, policy: Policy) -> Policy:
         """`policy` labelled with the backend it was planned for (its blocks then run their

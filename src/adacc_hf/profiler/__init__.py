@@ -30,7 +30,7 @@ from ..runtime.peak import batch_nbytes
 from ..runtime.trace import autocast_context, devices_of, run_representatives
 from ..schema import GroupProfile, Profile
 from ..verbosity import progress
-from .compiled import measure_compiled
+from .compiled import lifted, measure_compiled
 from .estimates import grad_nbytes, timeline_rest_nbytes
 from .fidelity import measure_grad_errors
 from .fingerprint import run_fingerprint
@@ -239,16 +239,12 @@ def _profile_model(
         )
     if compile is not None and memory and probes:
         bar.set_description("adacc profiling: compiled blocks")
-        if active is not None:  # a new bucket's plan: its runs patch the model themselves
-            handle.remove()
-        try:
-            with torch.random.fork_rng(devices=devices_of(base)), phase("compiled"):
-                measure_compiled(
-                    profile, base, batch, autocast, compile, probes, (groups, specs), room
-                )
-        finally:
-            if active is not None:
-                handle.set_policy(active)
+        with (
+            lifted(base),  # a new bucket's plan: its runs patch the model themselves
+            torch.random.fork_rng(devices=devices_of(base)),
+            phase("compiled"),
+        ):
+            measure_compiled(profile, base, batch, autocast, compile, probes, (groups, specs), room)
     if probes:
         bar.set_description("adacc profiling: gradient errors")
         with torch.random.fork_rng(devices=devices_of(base)), phase("grad_errors"):

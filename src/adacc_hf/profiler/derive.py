@@ -214,7 +214,9 @@ def interpolate_memory(
         for k, h in near.heads.items()
     }
     if near.compiled:  # the larger bucket's whole-step residuals: at least the new bucket's
-        into.compiled = {**near.compiled, "residuals_from": near.fingerprint.get("bucket", "")}
+        # (not its plans': a plan's own residual may be negative, a larger bucket's the lower)
+        kept = {k: v for k, v in near.compiled.items() if k != "plans"}
+        into.compiled = {**kept, "residuals_from": near.fingerprint.get("bucket", "")}
         no_dispatch(into)
 
 

@@ -259,6 +259,16 @@ def _levels(
     return block_levels(probe, variant, autocast, compile, input_grad)
 
 
+def _entry(m: AloneMemory | Levels, compile: str | None) -> list[int]:
+    """A table's ``Profile.variant_transients`` entry before the difference: its forward and
+    backward peaks, and compiled its held bytes too (a compiled graph saves a kept output only
+    where backward reads it: `cost_model.compiled_held`)."""
+    if compile:
+        assert isinstance(m, Levels)
+        return [m.forward, m.backward, m.held]
+    return [m.forward, m.backward]
+
+
 def measure_variants(
     profile: Profile,
     probes: dict[str, BlockProbe],
@@ -287,11 +297,11 @@ def measure_variants(
             later = later_input(probe, g.num_blocks if g is not None else 1)
             base_key = recompute_key(group) + (f":{compile}" if compile else "")
             base = profile.variant_transients.get(base_key)
-            if base is None:
+            if base is None or len(base) < (3 if compile else 2):
                 full = _levels(probe, FULL_RECOMPUTE, autocast, compile, later)
-                base = profile.variant_transients[base_key] = [full.forward, full.backward]
-            m = _levels(probe, variant, autocast, compile, later)
-            profile.variant_transients[key] = [m.forward - base[0], m.backward - base[1]]
+                base = profile.variant_transients[base_key] = _entry(full, compile)
+            m = _entry(_levels(probe, variant, autocast, compile, later), compile)
+            profile.variant_transients[key] = [a - b for a, b in zip(m, base, strict=True)]
             new.setdefault(group, {})[key] = variant
     for group, timed in new.items():
         ms = variant_times(probes[group], list(timed.values()), autocast, rounds)

@@ -188,7 +188,8 @@ class Profile:
     batch_nbytes: int = 0  # the micro-batch's own tensors (on the device all step long)
     timeline: Timeline | None = None  # measured; None: synthesised from the fields above
     # Measured per action table: "group:variant fingerprint" -> [forward, backward] transient
-    # minus full recomputation's, on the profiled block ("group:full": full recomputation's own).
+    # minus full recomputation's, on the profiled block ("group:full": full recomputation's own);
+    # measured compiled, a third entry: the held bytes minus full recomputation's.
     variant_transients: dict[str, list[int]] = field(default_factory=dict)
     # Measured per action table (same keys): forward + backward ms of the profiled block under it
     # minus the plain block's (`profiler.variants.variant_times`).

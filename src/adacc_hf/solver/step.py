@@ -35,6 +35,7 @@ alone) minus the model's own, which the timeline measured: its forward and backw
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from ..schema import ALWAYS_RETAIN, GroupProfile, Profile, Timeline
@@ -180,12 +181,25 @@ def held_in_order(profile: Profile, blocks: list[BlockLoad]) -> list[int]:
     ]
 
 
-def compiled_residual(profile: Profile, all_checkpointed: bool = True) -> tuple[int, int]:
-    """What a model compiled whole holds beyond its compiled parts, in forward and in backward,
-    with every block checkpointed or with a plain one among them (measured: `profiler.compiled`;
-    0 for an eager profile)."""
-    key = "residual" if all_checkpointed else "residual_plain"
-    fwd, bwd = profile.compiled.get(key, (0, 0))  # both keys are measured together
+def plan_key(blocks: list[BlockLoad]) -> str:
+    """A name for the blocks' loads in forward order (each block's action table, or plain)."""
+    text = "|".join(b.variant if b.checkpoint else "plain" for b in blocks)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def compiled_residual(
+    profile: Profile, all_checkpointed: bool = True, key: str | None = None
+) -> tuple[int, int]:
+    """What a model compiled whole holds beyond its compiled parts, in forward and in backward
+    (measured: `profiler.compiled`; 0 for an eager profile): for the plan named `key` where its
+    whole step was measured (``plans``; it may be negative: tags change what the partitioner
+    saves around them), else with every block checkpointed or with a plain one among them."""
+    plans = profile.compiled.get("plans", {})
+    if key is not None and key in plans:
+        fwd, bwd = plans[key]
+    else:
+        name = "residual" if all_checkpointed else "residual_plain"
+        fwd, bwd = profile.compiled.get(name, (0, 0))  # both names are measured together
     return int(fwd), int(bwd)
 
 
@@ -195,9 +209,11 @@ def step_peak(
     static: int | StaticMemory = 0,
     accumulation: int = 1,
     head: str = "full",
+    residual: tuple[int, int] | None = None,
 ) -> StepEstimate:
     """The moments of the module docstring for `blocks` (in forward order), the LM head and loss
-    run as `head` (`schema.HEADS`)."""
+    run as `head` (`schema.HEADS`); `residual`: the compiled one to add (forward, backward),
+    instead of the profile's (`compiled_residual`)."""
     resident, grads, opt_step = split_static(static)
     resident += batches_nbytes(profile, accumulation)
     tl = profile.timeline or synthesised_timeline(profile)
@@ -235,7 +251,11 @@ def step_peak(
     ahead = staged_ahead([b.parked for b in blocks])
     moments: dict[str, int] = {}
     before = 0
-    fres, bres = compiled_residual(profile, all(b.checkpoint for b in blocks))
+    if residual is None:
+        residual = compiled_residual(
+            profile, all(b.checkpoint for b in blocks), plan_key(blocks) if blocks else None
+        )
+    fres, bres = residual
     for j, (b, g) in enumerate(zip(blocks, groups, strict=True)):
         measured = tl.forward_peak[j] - tl.forward_start[j]
         transient = _forward_transient(b, g, measured, deltas, lag)
