@@ -41,8 +41,8 @@ from ..runtime import apply_adacc
 from ..runtime.peak import measure_step_peak
 from ..runtime.trace import autocast_context, devices_of, train_mode
 from ..schema import HeadCost, Profile, Timeline, Variant
-from ..solver.cost_model import block_loads
-from ..solver.step import in_forward_order, plan_key, step_peak
+from ..solver.cost_model import block_loads, plan_key_of
+from ..solver.step import in_forward_order, step_peak
 from .head import head_cost, head_hidden, head_losses, lm_head
 from .memory import timeline_policy
 from .variants import FULL_RECOMPUTE, Levels, block_levels, fresh_code
@@ -398,7 +398,5 @@ def measure_plan(
         anchor[k] + (comp[ph] - measured_full[k]) - bare[k]
         for k, ph in enumerate(("forward", "backward"))
     )
-    loads, _, _ = block_loads(profile, policy, measured_ms=False)
-    key = plan_key(in_forward_order(profile, loads))
-    full.setdefault("plans", {})[key] = list(residual)
+    full.setdefault("plans", {})[plan_key_of(profile, policy)] = list(residual)
     return residual  # type: ignore[return-value]

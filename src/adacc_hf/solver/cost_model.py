@@ -48,6 +48,7 @@ from .step import (
     held_in_order,
     in_forward_order,
     pinned_nbytes,
+    plan_key,
     step_peak,
 )
 
@@ -344,6 +345,13 @@ def block_loads(
             ms.append((math.fsum(t) if timed is None else timed) * v.count)
         loads[name] = blocks
     return loads, math.fsum(ms), sorted(set(unprofiled))
+
+
+def plan_key_of(profile: Profile, policy: Policy) -> str:
+    """`step.plan_key` of `policy`'s blocks under `profile` (where its measured compiled
+    residual is kept: `step.compiled_residual`)."""
+    loads, _, _ = block_loads(profile, policy, measured_ms=False)
+    return plan_key(in_forward_order(profile, loads))
 
 
 def compiled_held(profile: Profile, g: GroupProfile, key: str, eager: int) -> int:
