@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..adapters import unwrap_model
 from ..errors import AdaccError, BudgetError
 from ..evolution import tracking_need, tracking_room_cap
 from ..policy import Policy
@@ -149,7 +150,7 @@ class SessionSolving(SessionProfiling):
         if room is not None and adds > room:
             return
         with self.own_forwards(), phase("compiled_plan"):
-            measure_plan(profile, self.model, batch, self.autocast, policy)
+            measure_plan(profile, unwrap_model(self.model), batch, self.autocast, policy)
 
     def _compiled(self, policy: Policy) -> Policy:
         """`policy` labelled with the backend it was planned for (its blocks then run their
