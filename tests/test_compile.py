@@ -288,10 +288,11 @@ def test_a_compile_planned_step_fits_its_budget_and_its_prediction(family, fract
 def test_a_compile_planned_step_that_keeps_ops_is_predicted_from_its_own_compiled_step(family):
     """The tags change what the partitioner saves around them, which the parts measured alone do
     not see: planned from the parts, a plan keeping ops was 6-14 % over its compiled step on
-    the CPU suite's GPT-2 (8-10 % on this one's). The session measures the plan's whole step
-    compiled (`measure_plan`) and predicts it from there: within 5 % both ways."""
+    the CPU suite's GPT-2 (this one under aot_eager: 19 %, 8 % under inductor). The session
+    measures the plan's whole step compiled (`measure_plan`) and predicts it from there: within
+    5 % both ways (aot_eager: 24 s here, inductor 72 s)."""
     got: list = []
-    budget, predicted, measured, keeps = _planned(family, 0.5, "inductor", profiles=got)
+    budget, predicted, measured, keeps = _planned(family, 0.5, "aot_eager", profiles=got)
     assert keeps and got[0].compiled.get("plans"), "the plan's step was not measured"
     assert measured <= budget, (measured, budget)
     assert 0.95 * predicted <= measured <= 1.05 * predicted, (measured, predicted)
