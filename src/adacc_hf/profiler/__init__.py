@@ -130,10 +130,6 @@ def _profile_model(
     device = next(base.parameters()).device
     if probes is None:  # the gradient-error pass below runs on the profiled blocks
         probes = {}
-    handle = base.__dict__.get("_adacc_handle")
-    active = handle.policy if handle is not None and handle.active else None
-    if active is not None:
-        handle.remove()
     measured: dict[str, GroupOps] = {}
     visit = op_visitor(
         device,
@@ -149,27 +145,29 @@ def _profile_model(
     # Profiling draws no random numbers the run would see: its dropout masks stay those of a run
     # without Adacc.
     bar = progress(4, "adacc profiling: ops and codecs")
-    try:
-        with torch.random.fork_rng(devices=devices_of(base)):
-            with autocast_context(device, autocast, cache=False):
-                run_representatives(base, sample_batch, visit)
-            bar.update(1)
-            bar.set_description("adacc profiling: LM head and step memory")
-            groups = adapter.block_groups(base)
-            specs = {g.name: [o.spec() for o in measured[g.name].ops] for g in groups}
-            batch = dict(sample_batch)
-            heads, mem = _memory(base, batch, groups, specs, autocast, room, head, memory, probes)
-            bar.update(2)
-            if mem.skipped:
-                logger.info(
-                    "adacc: profiling within %.2f MiB skipped %s", room / 2**20, mem.skipped
+    # the policy applied to the model (a new bucket planned mid-run) is lifted: profiled
+    # without Adacc
+    with lifted(base):
+        try:
+            with torch.random.fork_rng(devices=devices_of(base)):
+                with autocast_context(device, autocast, cache=False):
+                    run_representatives(base, sample_batch, visit)
+                bar.update(1)
+                bar.set_description("adacc profiling: LM head and step memory")
+                groups = adapter.block_groups(base)
+                specs = {g.name: [o.spec() for o in measured[g.name].ops] for g in groups}
+                batch = dict(sample_batch)
+                heads, mem = _memory(
+                    base, batch, groups, specs, autocast, room, head, memory, probes
                 )
-    except BaseException:
-        bar.close()
-        raise
-    finally:
-        if active is not None:
-            handle.set_policy(active)
+                bar.update(2)
+                if mem.skipped:
+                    logger.info(
+                        "adacc: profiling within %.2f MiB skipped %s", room / 2**20, mem.skipped
+                    )
+        except BaseException:
+            bar.close()
+            raise
 
     positions = {id(mod): i for i, (_, mod) in enumerate(adapter.find_blocks(base))}
     gprofs = {}

@@ -284,13 +284,10 @@ def measure_compiled(
     # the first group's first block plain moves every later level by its held difference
     first = shifts.get(groups[0].name)
     plain_move = first.plain.held - first.ckpt.held if first is not None else 0
-    grads = {p: p.grad for p in base.parameters()}
-    for p in grads:
-        p.grad = None
     residuals: list[list[int]] = []
     full_phases: dict[str, int] = {}  # the compiled step under full recomputation
     need = 0  # the bytes the all-checkpointed compiled step added
-    try:
+    with grads_aside(base):
         for plain, move in ((None, 0), (groups[0].name, plain_move)):
             if residuals and room is not None and need + move > room:
                 logger.info(
@@ -315,9 +312,6 @@ def measure_compiled(
                     )
                 ]
             )
-    finally:
-        for p, g in grads.items():
-            p.grad = g
     profile.compiled = {
         "backend": backend,
         "shifts": {k: v.to_json() for k, v in shifts.items()},
@@ -326,6 +320,20 @@ def measure_compiled(
         "residual_plain": residuals[1],
         "full_phases": [full_phases["forward"], full_phases["backward"]],
     }
+
+
+@contextlib.contextmanager
+def grads_aside(base: nn.Module) -> Iterator[None]:
+    """`base`'s parameters without gradients for the body (a measured step starts without any),
+    the gradients they had put back after."""
+    grads = {p: p.grad for p in base.parameters()}
+    for p in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in grads.items():
+            p.grad = g
 
 
 @contextlib.contextmanager
@@ -371,9 +379,9 @@ def measure_plan(
     batch: Mapping[str, Any],
     autocast: torch.dtype | None,
     policy: Policy,
-) -> tuple[int, int]:
+) -> None:
     """Measure `policy`'s whole step compiled and record its own residual in
-    ``profile.compiled["plans"]`` (`solver.step.compiled_residual`); returns it.
+    ``profile.compiled["plans"]`` (`solver.step.compiled_residual`).
 
     The tags change what the partitioner saves around them, which the parts measured alone do
     not see (on the CPU suite's GPT-2, plans keeping ops held 6-14 % under their prediction, and
@@ -383,20 +391,11 @@ def measure_plan(
     phase by phase. The gradients already in ``.grad`` are put back."""
     full = profile.compiled
     backend, measured_full = full["backend"], full["full_phases"]
-    grads = {p: p.grad for p in base.parameters()}
-    for p in grads:
-        p.grad = None
-    try:
-        with lifted(base), torch.random.fork_rng(devices=devices_of(base)):
-            _, comp = whole_step_phases(base, batch, autocast, backend, policy, eager=False)
-    finally:
-        for p, g in grads.items():
-            p.grad = g
+    with grads_aside(base), lifted(base), torch.random.fork_rng(devices=devices_of(base)):
+        _, comp = whole_step_phases(base, batch, autocast, backend, policy, eager=False)
     anchor = model_phases(profile, all_recomputed(policy))
     bare = model_phases(profile, policy, (0, 0))
-    residual = tuple(
+    full.setdefault("plans", {})[plan_key_of(profile, policy)] = [
         anchor[k] + (comp[ph] - measured_full[k]) - bare[k]
         for k, ph in enumerate(("forward", "backward"))
-    )
-    full.setdefault("plans", {})[plan_key_of(profile, policy)] = list(residual)
-    return residual  # type: ignore[return-value]
+    ]

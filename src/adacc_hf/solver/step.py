@@ -187,17 +187,18 @@ def plan_key(blocks: list[BlockLoad]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def compiled_residual(
-    profile: Profile, all_checkpointed: bool = True, key: str | None = None
-) -> tuple[int, int]:
+def compiled_residual(profile: Profile, blocks: list[BlockLoad] | None = None) -> tuple[int, int]:
     """What a model compiled whole holds beyond its compiled parts, in forward and in backward
-    (measured: `profiler.compiled`; 0 for an eager profile): for the plan named `key` where its
-    whole step was measured (``plans``; it may be negative: tags change what the partitioner
-    saves around them), else with every block checkpointed or with a plain one among them."""
-    plans = profile.compiled.get("plans", {})
+    (measured: `profiler.compiled`; 0 for an eager profile), with `blocks` (None: every block
+    checkpointed): the plan's own where its whole step was measured (``plans``; it may be
+    negative: tags change what the partitioner saves around them), else with every block
+    checkpointed or with a plain one among them."""
+    plans = profile.compiled.get("plans")
+    key = plan_key(blocks) if plans and blocks else None
     if key is not None and key in plans:
         fwd, bwd = plans[key]
     else:
+        all_checkpointed = blocks is None or all(b.checkpoint for b in blocks)
         name = "residual" if all_checkpointed else "residual_plain"
         fwd, bwd = profile.compiled.get(name, (0, 0))  # both names are measured together
     return int(fwd), int(bwd)
@@ -251,11 +252,7 @@ def step_peak(
     ahead = staged_ahead([b.parked for b in blocks])
     moments: dict[str, int] = {}
     before = 0
-    if residual is None:
-        residual = compiled_residual(
-            profile, all(b.checkpoint for b in blocks), plan_key(blocks) if blocks else None
-        )
-    fres, bres = residual
+    fres, bres = compiled_residual(profile, blocks) if residual is None else residual
     for j, (b, g) in enumerate(zip(blocks, groups, strict=True)):
         measured = tl.forward_peak[j] - tl.forward_start[j]
         transient = _forward_transient(b, g, measured, deltas, lag)
