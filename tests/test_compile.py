@@ -87,6 +87,30 @@ def test_compiled_adacc_gives_eager_adaccs_gradients_and_saves_what_the_policy_r
     handle.remove()
 
 
+def test_retained_attention_is_saved_by_the_compiled_graph():
+    """The CPU flash kernel is tagged random (for its dropout); called with ``dropout_p=0`` it
+    draws nothing, so a retained attention output is tagged ``MUST_SAVE`` as planned. It was left
+    to the partitioner, which recomputed it: the plan's retain silently dropped (llama-cpu: 3 of a
+    compiled block's 10 ms of recomputation)."""
+    model, batch = _model("llama")
+    policy = uniform_policy(model, "recompute", batch)
+    kept = []
+    for g in policy.groups.values():
+        for op in g.ops:
+            if "flash_attention_for_cpu" in op.aten:
+                g.variants[0].actions[op.key] = Action.retain()
+                kept.append(op.aten)
+    assert kept and all(op.rng_states == 0 for g in policy.groups.values() for op in g.ops)
+    handle = apply_adacc(model, policy)
+    eager = _grads(model, model, batch)
+    compiled.RECORD = []
+    got = _grads(torch.compile(model, backend="aot_eager"), model, batch)
+    _assert_close(got, eager, 0.0)
+    assert compiled.RECORD
+    assert all(a.saved == kept[:1] for a in compiled.RECORD)
+    handle.remove()
+
+
 @pytest.mark.slow  # ~30 s: an inductor compile on the shared CPU
 def test_inductor_gradients_equal_eager_adaccs_within_fp32_reassociation():
     model, batch = _model("llama")

@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from adacc_hf import Action, apply_adacc, assets, trace_model, uniform_policy
-from adacc_hf.runtime.ops import KEYED, is_random, op_kind
+from adacc_hf.runtime.ops import KEYED, draws_random, is_random, op_kind
 
 aten = torch.ops.aten
 
@@ -30,6 +30,24 @@ def test_every_sdpa_variant_is_a_keyed_op_the_runtime_can_keep():
     for op in variants:
         assert op_kind(op) == KEYED, op
         assert is_random(op), op
+
+
+def test_a_random_tagged_attention_call_without_dropout_draws_nothing():
+    """Tagged random for its dropout, attention called with ``dropout_p=0`` draws nothing: its
+    kept output holds no generator state and a compiled block saves it as planned
+    (`runtime.compiled`); with dropout, or an op without the argument, the tag decides."""
+    flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.randn(1, 2, 8, 4)
+    assert not draws_random(flash, (q, q, q), {})  # the schema's default, 0
+    assert not draws_random(flash, (q, q, q, 0.0), {})
+    assert draws_random(flash, (q, q, q, 0.1), {})
+    assert draws_random(flash, (q, q, q), {"dropout_p": 0.1})
+    assert draws_random(aten.native_dropout.default, (q, 0.0, True), {})
+    assert not draws_random(aten.mm.default, (q, q), {})
+    model, batch = _llama(0.0)  # (the CPU flash kernel has no dropout: math path then)
+    ops = trace_model(model, batch).groups["block"].ops
+    (op,) = [o for o in ops if "flash_attention_for_cpu" in o.key]
+    assert op.rng_states == 0
 
 
 def _llama(dropout: float):

@@ -12,7 +12,8 @@ dropout becomes ``native_dropout``, and the trace may run twice (torch calls the
 once per pass, so each pass starts a fresh `Aligner`). The aligner walks the policy's keyed ops
 in order and matches each traced keyed op to the next op of the same overload within a short
 window; an op it cannot match is recomputed (the safe side for the budget). Random ops are left to
-the partitioner (``PREFER_RECOMPUTE``: compile replays their RNG itself).
+the partitioner (``PREFER_RECOMPUTE``: compile replays their RNG itself); attention called with
+``dropout_p=0`` is tagged random but draws nothing (`ops.draws_random`), and is tagged as planned.
 
 A compressed op is tagged ``MUST_SAVE`` and its node marked with its codec: `saved_codecs`
 encodes it in the compiled forward and decodes it in the compiled backward. Offload has no
@@ -31,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ..errors import AdaccError
 from ..schema import Action, OpSpec
 from . import saved_codecs
-from .ops import is_keyed, is_random
+from .ops import draws_random, is_keyed
 
 logger = logging.getLogger("adacc_hf")
 _RECOMPUTE = Action.recompute()
@@ -55,7 +56,7 @@ class Aligner:
     def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if ctx.is_recompute or not is_keyed(op):
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if is_random(op):
+        if draws_random(op, args, kwargs):
             self._match(str(op))
             return CheckpointPolicy.PREFER_RECOMPUTE
         keep = self._match(str(op))

@@ -29,8 +29,8 @@ from .ops import (
     OpKeyer,
     RegionTracker,
     device_of,
+    draws_random,
     generator_of,
-    is_random,
     key_kind,
     mutated_args,
     rng_before,
@@ -193,6 +193,7 @@ class _BuildMode(_KeepMode):
         self.keyer: OpKeyer | None = None
         self.seen: list = []
         self.rng: tuple[Any, Any] | None = None
+        self.draws = False  # the running keyed call draws by torch's tag (`draws_random`)
 
     def __enter__(self):
         self.keyer = OpKeyer(RegionTracker(self.run.rt.block))
@@ -214,12 +215,13 @@ class _BuildMode(_KeepMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         keyed = key_kind(func, args, kwargs) == KEYED
         self.rng = rng_before(func, args, kwargs) if keyed else None
+        self.draws = keyed and draws_random(func, args, kwargs)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _build_slot(self, func, out) -> Slot:
         rt = self.run.rt
         key, _, _ = self.keyer.key(func)
-        random = is_random(func) or (self.rng is not None and rng_moved(self.rng))
+        random = self.draws or (self.rng is not None and rng_moved(self.rng))
         seen = observe(func, key, tensor_outputs(out), random)
         self.seen.append(seen)
         spec = rt._spec.get(key)

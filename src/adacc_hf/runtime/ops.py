@@ -130,6 +130,30 @@ def is_random(func: torch._ops.OpOverload) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
 
 
+@functools.cache
+def _dropout_arg(func: torch._ops.OpOverload) -> tuple[int, Any] | None:
+    """(position, default) of `func`'s ``dropout_p`` argument; None without one."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            return i, a.default_value
+    return None
+
+
+def draws_random(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> bool:
+    """Whether this call draws from an RNG by torch's tag: a tagged attention op called with
+    ``dropout_p=0`` (a model without attention dropout, or evaluating) does not, and its outputs
+    are kept as any other's (no generator state beside them; compiled, a ``MUST_SAVE`` tag). Ops
+    without the tag: `rng_moved`."""
+    if not is_random(func):
+        return False
+    arg = _dropout_arg(func)
+    if arg is None:
+        return True
+    i, default = arg
+    p = args[i] if i < len(args) else (kwargs or {}).get("dropout_p", default)
+    return bool(p != 0)
+
+
 def mutated_args(
     func: torch._ops.OpOverload, args: tuple, kwargs: dict | None
 ) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from .ops import (
     NATIVE_DROPOUT,
     OpKeyer,
     RegionTracker,
-    is_random,
+    draws_random,
     key_kind,
     mutated_args,
     rng_before,
@@ -100,7 +100,7 @@ class _Recorder(TorchDispatchMode):
             elapsed = None
         else:
             out, elapsed = self.timer(func, args, kwargs)
-        random = rng is not None and (is_random(func) or rng_moved(rng))
+        random = rng is not None and (draws_random(func, args, kwargs) or rng_moved(rng))
         if kind == MUTABLE:
             filled = None
             for t in mutated_args(func, args, kwargs):
