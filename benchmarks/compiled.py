@@ -50,7 +50,7 @@ from benchmarks.harness.stats import bootstrap, verdict  # noqa: E402
 from benchmarks.harness.steps import optimizer_with_states  # noqa: E402
 
 MiB = 2**20
-KW = dict(adaptive=False, codecs=[], offload=False, profile_repeats=1)
+KW = dict(adaptive=False, codecs=[], offload=False)
 COMPILE_FRACTIONS = (1.0, 0.5, 0.25, 0.0)  # what a user would try, in order
 
 

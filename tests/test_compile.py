@@ -462,3 +462,38 @@ def test_the_saved_codec_ops_are_the_eager_codecs_and_pass_opcheck(codec):
         torch.library.opcheck(torch.ops.adacc.saved_encode, (t, spec), **checks)
         args = (payload, spec, list(t.shape), list(t.stride()), t.dtype)
         torch.library.opcheck(torch.ops.adacc.saved_decode, args, **checks)
+
+
+@pytest.mark.parametrize(
+    ("family", "unread"),
+    [
+        ("llama", ["mlp.down_proj/mm#0", "/add#1"]),
+        ("gpt2", ["mlp.c_proj/addmm#0", "/add#1"]),  # (dropout off: see `_model`)
+    ],
+)
+def test_an_op_that_feeds_no_backward_is_neither_saved_nor_recomputed_compiled(family, unread):
+    """The trace marks the ops whose outputs backward never reads, nor reads what is made from
+    them (``OpSpec.feeds_backward``); the compiled profile prices them at nothing
+    (`profiler.compiled.compiled_costs`). Truth, by the allocator: the block compiled retaining
+    them holds what full recomputation holds, while retaining an op that feeds backward holds
+    more."""
+    from adacc_hf.profiler import profile_model
+    from adacc_hf.profiler.compiled import compiled_costs
+    from adacc_hf.profiler.variants import FULL_RECOMPUTE, block_levels
+
+    model, batch = _model(family)
+    probes: dict = {}
+    prof = profile_model(model, batch, repeats=1, probes=probes)
+    (g,) = prof.groups.values()
+    assert [op.key for op in g.ops if not op.feeds_backward] == unread
+    probe = next(iter(probes.values()))
+    full = block_levels(probe, FULL_RECOMPUTE, None, "aot_eager").held
+    kept = Variant(1, True, {k: Action.retain() for k in unread})
+    assert block_levels(probe, kept, None, "aot_eager").held == full
+    mms = ("aten.mm.default", "aten.addmm.default")
+    fed = next(op for op in g.ops if op.feeds_backward and op.aten in mms)
+    fed_kept = Variant(1, True, {fed.key: Action.retain()})
+    assert block_levels(probe, fed_kept, None, "aot_eager").held >= full + fed.nbytes
+    assert any(op.fwd_ms > 0 for op in g.ops if not op.feeds_backward)  # eagerly they cost
+    compiled_costs(prof)
+    assert all(op.fwd_ms == 0 for op in prof.groups[g.name].ops if not op.feeds_backward)

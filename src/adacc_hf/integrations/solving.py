@@ -4,6 +4,7 @@ prediction checked against the budget with every measured table in it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +25,10 @@ from .profiling import SessionProfiling
 
 __all__ = ["SessionSolving"]
 
-#: A compiled plan measured this far (a share of the limit) under it is solved once more.
+logger = logging.getLogger("adacc_hf")
+
+#: A compiled plan measured this far under the limit (a share of the limit less static memory)
+#: is solved once more.
 SLACK = 0.02
 
 
@@ -44,20 +48,27 @@ class SessionSolving(SessionProfiling):
         return self._link
 
     def solve(
-        self, profile: Profile, reserve: int = 0, max_grad_error: float | None = None
+        self,
+        profile: Profile,
+        reserve: int = 0,
+        max_grad_error: float | None = None,
+        headroom: float | None = None,
     ) -> Policy:
-        """The policy for `profile` under the session's budget (keeping `headroom` free, and
-        `reserve` bytes below it: what the allocator reserved over the budget, `guard`; adaptive,
-        also the room its tracking steps measure codecs in), its blocks' gradient error bounded
-        by `max_grad_error` (default: the config's)."""
+        """The policy for `profile` under the session's budget (keeping the config's headroom
+        free, else `headroom`, else `headroom_for`; and `reserve` bytes below it: what the
+        allocator reserved over the budget, `guard`; adaptive, also the room its tracking steps
+        measure codecs in), its blocks' gradient error bounded by `max_grad_error` (default: the
+        config's)."""
         c, static = self.config, self._static()
+        if c.headroom is not None:
+            headroom = c.headroom
         acc = c.gradient_accumulation_steps
         budget = self._budget()
         reserve += self.oom_reserve_nbytes
         profile.offload = self.offload_link()
 
         def solve(kept_free: int) -> Policy:
-            planned = planned_budget(budget, static, profile, c.headroom, acc, c.head, kept_free)
+            planned = planned_budget(budget, static, profile, headroom, acc, c.head, kept_free)
             return solve_policy(
                 profile,
                 planned,
@@ -78,7 +89,7 @@ class SessionSolving(SessionProfiling):
             peak = policy.metadata.get("predicted", {}).get("peak_nbytes")
             if need and peak is not None and budget - reserve - peak < need:
                 policy = solve(reserve + need)
-        headroom = headroom_for(profile) if c.headroom is None else c.headroom
+        headroom = headroom_for(profile) if headroom is None else headroom
         policy.metadata.update(
             budget_spec=str(c.budget), budget_nbytes=budget, headroom=headroom, tracking_nbytes=need
         )
@@ -172,9 +183,10 @@ class SessionSolving(SessionProfiling):
         """Measured compiled (`_measure_plan`), a plan often holds less than it was solved to:
         the solver counts every kept output, the compiled graph saves those backward reads
         (gpt2-cpu at a quarter of the way: 150.5 of 170.4 MiB). Where that leaves more than
-        `SLACK` of the limit, solve once more as if every plan had this one's residual, measure
+        `SLACK` of the activation share, solve once more as if every plan had this one's residual, measure
         the new plan's tables and whole step compiled, and keep it only where all ranks measured
-        it within the limit and faster."""
+        it within the limit and faster. That plan is solved without the compiled headroom
+        (`headroom_for(..., measured=True)`): its measured step decides, not the parts' margin."""
         measured = profile.compiled.get("plans", {}).get(plan_key_of(profile, policy))
         if measured is None:
             return policy
@@ -182,13 +194,14 @@ class SessionSolving(SessionProfiling):
         limit = self._budget() - reserve - self.oom_reserve_nbytes
         first = predict(profile, policy, static, acc)
         top = self.coordinator.agree((first.peak_nbytes,))[0]
-        if limit - top < SLACK * limit:
+        if limit - top < SLACK * (limit - static.total):
             return policy
         generic = {k: profile.compiled.get(k) for k in ("residual", "residual_plain")}
         profile.compiled.update(residual=list(measured), residual_plain=list(measured))
         try:
             with phase("solve"):
-                other = self.coordinator.share(lambda: self.solve(profile, reserve, bound))
+                loose = headroom_for(profile, measured=True)
+                other = self.coordinator.share(lambda: self.solve(profile, reserve, bound, loose))
         finally:
             profile.compiled.update(generic)
         if plan_key_of(profile, other) == plan_key_of(profile, policy):
@@ -198,8 +211,18 @@ class SessionSolving(SessionProfiling):
             measure_policy(profile, probes, other, self.autocast, rounds, room, self.config.compile)
         self._measure_plan(profile, batch, self._compiled(other), room)
         second = predict(profile, other, static, acc)
-        slower = int(second.added_ms >= first.added_ms)
+        unmeasured = plan_key_of(profile, other) not in profile.compiled.get("plans", {})
+        slower = int(unmeasured or second.added_ms >= first.added_ms)  # unmeasured: no margin
         top, slower = self.coordinator.agree((second.peak_nbytes, slower))
+        logger.debug(
+            "adacc: compiled plan solved again into its slack: %s, %.1f ms -> %s, %.1f ms%s; %s",
+            fmt_bytes(first.peak_nbytes),
+            first.added_ms,
+            fmt_bytes(second.peak_nbytes),
+            second.added_ms,
+            " (not measured whole)" if unmeasured else "",
+            "kept" if top <= limit and not slower else "the first kept",
+        )
         return other if top <= limit and not slower else policy
 
     def _within_budget(

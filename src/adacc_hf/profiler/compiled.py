@@ -19,7 +19,7 @@ the whole model (the tiny LLaMA under full recomputation: +20 % over the eager s
   (`solver.step.compiled_residual`).
 
 A kept op still costs its output bytes (a ``MUST_SAVE`` tag saves the op's output, as the eager
-runtime keeps it) but no dispatch-mode overhead (`no_dispatch`). Every compiled call is made on a
+runtime keeps it) but no dispatch-mode overhead (`compiled_costs`). Every compiled call is made on a
 fresh copy of its function's code (`variants.fresh_code`), so no graph lands in a cache the
 user's model compiles into.
 """
@@ -117,11 +117,14 @@ def head_shift(
     )
 
 
-def no_dispatch(profile: Profile) -> None:
+def compiled_costs(profile: Profile) -> None:
     """A compiled block keeps ops as selective-checkpoint tags, without the eager runtime's
-    dispatch modes: no overhead per keeping block (``GroupProfile.dispatch_ms``)."""
+    dispatch modes: no overhead per keeping block (``GroupProfile.dispatch_ms``). And its graph
+    recomputes only what backward reads: an op that feeds no backward (``OpSpec.feeds_backward``,
+    llama's MLP down projection) costs nothing to recompute, so keeping it buys nothing."""
     for g in profile.groups.values():
         g.dispatch_ms = 0.0
+        g.ops = [op if op.feeds_backward else dataclasses.replace(op, fwd_ms=0.0) for op in g.ops]
 
 
 def shift_profile(
@@ -157,7 +160,7 @@ def shift_profile(
             0, g.plain_forward_transient_nbytes + s.plain.forward
         )
         g.plain_transient_nbytes = max(0, g.plain_transient_nbytes + s.plain.backward)
-    no_dispatch(profile)
+    compiled_costs(profile)
     if tl is None:
         return
     zero = Levels(0, 0, 0)

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
 from ..schema import GroupProfile, HeadCost, Profile, Timeline
-from .compiled import no_dispatch
+from .compiled import compiled_costs
 
 __all__ = [
     "GROUP_BYTES",
@@ -217,7 +217,7 @@ def interpolate_memory(
         # (not its plans': a plan's own residual may be negative, a larger bucket's the lower)
         kept = {k: v for k, v in near.compiled.items() if k != "plans"}
         into.compiled = {**kept, "residuals_from": near.fingerprint.get("bucket", "")}
-        no_dispatch(into)
+        compiled_costs(into)
 
 
 def _same_blocks(g: GroupProfile, near: GroupProfile) -> None:

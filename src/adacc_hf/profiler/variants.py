@@ -16,8 +16,9 @@ measured time of each table the policy runs.
 
 For a model that will run compiled (``compile=``), a table and full recomputation are measured
 compiled instead (`block_levels`: the allocator's levels, since compiled code allocates past any
-dispatch mode, on a fresh copy of the call's code so no user graph cache fills); their times
-stay eager.
+dispatch mode, on a fresh copy of the call's code so no user graph cache fills), and so are their
+times, over the plain block compiled: a compiled graph recomputes only what backward reads and
+fuses the rest (llama-cpu: the MLP's down projection, 1.7 ms eager, costs nothing compiled).
 
 Inside a budget (``room``: the bytes profiling may add), a table whose run is predicted not to fit
 (`run_nbytes`: everything the plain block saves, its backward transient, its gradients and its
@@ -217,19 +218,42 @@ def recompute_key(group: str) -> str:
     return f"{group}:full"
 
 
+def _compiled_runner(runtime: Any, backend: str) -> Callable:
+    """A table's runtime (None: the plain block) as `calibrate.interleaved_ms` calls it, running
+    the block compiled with `backend` on a fresh copy of the code (`fresh_code`)."""
+    compiled: list[Callable] = []
+
+    def run(fn: Callable, *args: Any) -> Any:
+        if not compiled:
+
+            def forward(*a: Any) -> Any:
+                return runtime(fn, *a) if runtime is not None else fn(*a)
+
+            compiled.append(torch.compile(fresh_code(forward), backend=backend, dynamic=False))
+        return compiled[0](*args)
+
+    return run
+
+
 def variant_times(
     probe: BlockProbe,
     variants: list[Variant],
     autocast: torch.dtype | None = None,
     rounds: int = MIN_ROUNDS,
+    compile: str | None = None,
 ) -> list[float]:
     """Added ms of the block under each checkpointed variant over the plain block (forward +
-    backward, `calibrate.interleaved_ms`; medians of each round's differences)."""
+    backward, `calibrate.interleaved_ms`; medians of each round's differences); `compile`: each
+    compiled with this backend, the plain block too."""
     tables: dict[str, Variant | None] = {str(i): v for i, v in enumerate(variants)}
     tables["plain"] = None
     block, device = probe.block, probe.args[0].device
-    with table_runtimes(block, probe.path, probe.group, probe.ops, tables) as runtimes:
-        times = interleaved_ms(block, probe.fn, probe.args, runtimes, device, rounds, autocast)
+    with table_runtimes(block, probe.path, probe.group, probe.ops, tables, bool(compile)) as rts:
+        runs: dict[str, Any] = rts
+        if compile:
+            runs = {n: _compiled_runner(rt, compile) for n, rt in rts.items()}
+        with own_eager_runs():
+            times = interleaved_ms(block, probe.fn, probe.args, runs, device, rounds, autocast)
     return [added_ms(times, str(i), "plain") for i in range(len(variants))]
 
 
@@ -281,8 +305,8 @@ def measure_variants(
     """Measure each (group, variant) not yet in ``profile.variant_transients`` against full
     recomputation on the same block and record the differences, and time it (`variant_times`,
     ``profile.variant_ms``); within `room` bytes (None: no limit). `compile`: the blocks run
-    compiled with this backend, so both are measured compiled (`block_levels`; the
-    times stay eager). Returns how many were new."""
+    compiled with this backend, so both are measured and timed compiled (`block_levels`).
+    Returns how many were new."""
     new: dict[str, dict[str, Variant]] = {}
     cuda = sorted({p.args[0].device.index or 0 for p in probes.values() if p.args[0].is_cuda})
     with torch.random.fork_rng(devices=cuda):
@@ -304,7 +328,7 @@ def measure_variants(
             profile.variant_transients[key] = [a - b for a, b in zip(m, base, strict=True)]
             new.setdefault(group, {})[key] = variant
     for group, timed in new.items():
-        ms = variant_times(probes[group], list(timed.values()), autocast, rounds)
+        ms = variant_times(probes[group], list(timed.values()), autocast, rounds, compile)
         profile.variant_ms.update(zip(timed, ms, strict=True))
     return sum(len(t) for t in new.values())
 

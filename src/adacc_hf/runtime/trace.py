@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ class _Rec:
     mutated: bool = False  # written in place after being read (or filled without an RNG)
     saved: bool = False
     elapsed: Any = None
+    inputs: set[int] = field(default_factory=set)  # the records whose outputs it reads
 
     @property
     def mask(self) -> bool:
@@ -90,6 +92,8 @@ class _Recorder(TorchDispatchMode):
         self.other_ms: list[Any] = []  # timings of ops that always rerun (views, in-place)
         self.recs: list[_Rec] = []
         self.produced: dict[int, int] = {}  # storage -> index into recs
+        # storage an unkeyed op made (a cast, a no-grad op) -> the records it was made from
+        self.derived: dict[int, set[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -101,6 +105,7 @@ class _Recorder(TorchDispatchMode):
         else:
             out, elapsed = self.timer(func, args, kwargs)
         random = rng is not None and (draws_random(func, args, kwargs) or rng_moved(rng))
+        sources = self._sources(args, kwargs) if reads_values(func) else set()
         if kind == MUTABLE:
             filled = None
             for t in mutated_args(func, args, kwargs):
@@ -108,6 +113,7 @@ class _Recorder(TorchDispatchMode):
                 if idx is None:
                     continue
                 rec = self.recs[idx]
+                rec.inputs |= sources - {idx}
                 if rec.read:
                     rec.mutated = True
                 else:
@@ -122,6 +128,10 @@ class _Recorder(TorchDispatchMode):
         if func not in IGNORED:
             self._note_reads(args, kwargs)
         if kind != KEYED:
+            for t in tensor_outputs(out) if sources else ():
+                sid = storage_id(t)
+                if sid not in self.produced:
+                    self.derived[sid] = sources
             if elapsed is not None:
                 self.other_ms.append(elapsed)
             return out
@@ -140,6 +150,7 @@ class _Recorder(TorchDispatchMode):
             ranks=shape_class(tensors),
             native_mask=func is NATIVE_DROPOUT,
             side=side_nbytes(out),
+            inputs=sources,
         )
         for t in tensors:
             if t.numel():
@@ -149,6 +160,37 @@ class _Recorder(TorchDispatchMode):
             rec.elapsed = elapsed
             self.outputs.append(out)
         return out
+
+    def _sources(self, args: tuple, kwargs: dict) -> set[int]:
+        """The records whose outputs these inputs are, or were made from (views: one storage)."""
+        out: set[int] = set()
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.numel():
+                sid = storage_id(t)
+                idx = self.produced.get(sid)
+                if idx is not None:
+                    out.add(idx)
+                else:
+                    out |= self.derived.get(sid, set())
+        return out
+
+    def feeding_backward(self, saved: set[int]) -> list[bool]:
+        """Per record: whether backward reads its output (`saved` storages), or reads what is
+        made from it. A compiled graph neither saves nor recomputes an op that does not: the
+        partitioner recomputes only what backward reads (llama: the MLP's down projection)."""
+        need = [r.saved for r in self.recs]
+        for sid in saved:
+            for i in self.derived.get(sid, ()):
+                need[i] = True
+        changed = True
+        while changed:  # an in-place op can make an earlier record read a later one
+            changed = False
+            for j in reversed(range(len(self.recs))):
+                if need[j]:
+                    for i in self.recs[j].inputs - {j}:
+                        if not need[i]:
+                            need[i] = changed = True
+        return need
 
     def _note_reads(self, args: tuple, kwargs: dict) -> None:
         for t in tree_flatten((args, kwargs))[0]:
@@ -163,6 +205,15 @@ class _Recorder(TorchDispatchMode):
                 rec.fill_is_mask = t.dtype == torch.bool or not bool(torch.isnan(mask_scale(t)))
             elif rec.fills:
                 rec.mutated = True  # filled without an RNG: not a mask, not cached
+
+
+@functools.cache
+def reads_values(func: Any) -> bool:
+    """False for factories that read only their input's shape (``empty_like``, ``new_zeros``):
+    CPU dropout's noise is made by ``empty_like`` of the dropped tensor, which backward never
+    needs."""
+    name = func._schema.name.split("::")[-1]
+    return not (name.endswith("_like") or name.startswith("new_"))
 
 
 class _TraceDone(Exception):
@@ -356,6 +407,7 @@ def record_block(
     for sid, idx in rec.produced.items():
         if sid in saved:
             rec.recs[idx].saved = True
+    feeds = rec.feeding_backward(saved)
     types = adapter.layer_types([(r.region, r.packet) for r in rec.recs], group)
     ops = [
         OpSpec(
@@ -371,8 +423,9 @@ def record_block(
             mask=r.mask,
             side_nbytes=0 if r.mask else r.side,  # a mask is kept alone (bit-packed)
             rng_states=int(r.random) + (r.fills if r.mask and not r.random else 0),
+            feeds_backward=f,
         )
-        for r, t in zip(rec.recs, types, strict=True)
+        for r, t, f in zip(rec.recs, types, feeds, strict=True)
     ]
     return out, rec, ops
 

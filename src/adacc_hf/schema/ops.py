@@ -189,6 +189,9 @@ class OpSpec:
     # generator states a kept output holds for replay: 1 for an op that draws from an RNG, one per
     # in-place fill of a mask an RNG fills (CPU dropout: bernoulli_, then div_)
     rng_states: int = 0
+    # backward reads its output, or what is made from it (a compiled graph neither saves nor
+    # recomputes an op that feeds no backward: `profiler.compiled`); True where not traced so
+    feeds_backward: bool = True
 
     @property
     def numel(self) -> int:
@@ -218,6 +221,8 @@ class OpSpec:
             d["side_nbytes"] = self.side_nbytes
         if self.rng_states:
             d["rng_states"] = self.rng_states
+        if not self.feeds_backward:
+            d["feeds_backward"] = False
         return d
 
     @classmethod
@@ -235,6 +240,7 @@ class OpSpec:
             mask=bool(obj.get("mask", False)),
             side_nbytes=int(obj.get("side_nbytes", 0)),
             rng_states=int(obj.get("rng_states", 0)),
+            feeds_backward=bool(obj.get("feeds_backward", True)),
         )
 
 
