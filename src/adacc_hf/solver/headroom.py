@@ -30,12 +30,11 @@ from .window import candidate_heads
 HEADROOM = 0.03
 
 
-def varies(profile: Profile, measured: bool = False) -> str:
+def varies(profile: Profile) -> str:
     """Why a step planned from `profile` may hold more than predicted ("" when it is exact: a
     dense model on a CPU, fp32 or under autocast, with or without gradient accumulation and the
-    chunked head; the tests meter those steps to the byte). `measured`: the plan's own compiled
-    step is measured before it is kept (`integrations.solving`), so compiling is no reason."""
-    if profile.compiled and not measured:
+    chunked head; the tests meter those steps to the byte)."""
+    if profile.compiled:
         return "a compiled model is measured in parts and whole, not op by op"
     if profile.device.startswith("cuda"):
         return "CUDA's caching allocator rounds and fragments"
@@ -44,9 +43,9 @@ def varies(profile: Profile, measured: bool = False) -> str:
     return ""
 
 
-def headroom_for(profile: Profile, measured: bool = False) -> float:
+def headroom_for(profile: Profile) -> float:
     """The default headroom (`AdaccConfig.headroom=None`): `HEADROOM` where `varies`, else 0."""
-    return HEADROOM if varies(profile, measured) else 0.0
+    return HEADROOM if varies(profile) else 0.0
 
 
 def planned_budget(
