@@ -33,8 +33,8 @@ from torch import nn
 from ..errors import AdaccError, BudgetError
 from ..policy import Policy
 from ..runtime import apply_adacc
+from ..runtime.context import autocast_context
 from ..runtime.peak import loss_of
-from ..runtime.trace import autocast_context
 from ..schema import Profile
 from ..solver import least_memory_policy
 from ..units import fmt_bytes

@@ -29,8 +29,8 @@ from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.allocator import use_expandable_segments
 from ..runtime.capacity import oom_count
 from ..runtime.checkpoint import own_eager_runs
+from ..runtime.context import outside_autocast
 from ..runtime.peak import live_state_nbytes
-from ..runtime.trace import outside_autocast
 from ..schema import Profile
 from ..solver import (
     StaticMemory,

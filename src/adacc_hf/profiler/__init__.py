@@ -26,8 +26,9 @@ from torch import nn
 from .._version import __version__
 from ..adapters import get_adapter, unwrap_model
 from ..runtime.checkpoint import frame_nbytes
+from ..runtime.context import autocast_context, devices_of
 from ..runtime.peak import batch_nbytes
-from ..runtime.trace import autocast_context, devices_of, run_representatives
+from ..runtime.trace import run_representatives
 from ..schema import GroupProfile, Profile
 from ..verbosity import progress
 from .compiled import lifted, measure_compiled

@@ -32,10 +32,10 @@ from torch import nn
 
 from ..runtime import saved_codecs
 from ..runtime.checkpoint import BlockRuntime
+from ..runtime.context import autocast_context, detached_input
 from ..runtime.offload import HostStore
 from ..runtime.overhead import dispatch_overhead_ms
 from ..runtime.timing import sync, work_clock
-from ..runtime.trace import autocast_context, detached_input
 from ..schema import Action, GroupPolicy, OpProfile, OpSpec, Variant
 
 #: Scales outside this range are noise (e.g. a block of microseconds), not a measurement, unless

@@ -38,8 +38,8 @@ from torch import nn
 
 from ..policy import Policy
 from ..runtime import apply_adacc
+from ..runtime.context import autocast_context, devices_of, train_mode
 from ..runtime.peak import measure_step_peak
-from ..runtime.trace import autocast_context, devices_of, train_mode
 from ..schema import HeadCost, Profile, Timeline, Variant
 from ..solver.cost_model import block_loads, plan_key_of
 from ..solver.step import in_forward_order, step_peak

@@ -27,7 +27,7 @@ import torch
 
 from ..codecs import get_codec
 from ..policy.consistency import keeps_statistics, lossy
-from ..runtime.trace import autocast_context, detached_input
+from ..runtime.context import autocast_context, detached_input
 from ..schema import Action, OpProfile, Profile, Variant, codec_can_pay
 from .calibrate import table_runtimes
 from .variants import BlockProbe

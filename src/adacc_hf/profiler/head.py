@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.context import autocast_context, train_mode
 from ..runtime.head import chunked_causal_lm_loss, chunked_head_problem
 from ..runtime.head_loss import default_chunk_rows
 from ..runtime.peak import AllocationTracker
 from ..runtime.timing import time_call
-from ..runtime.trace import autocast_context, train_mode
 from ..schema import HeadCost
 
 logger = logging.getLogger("adacc_hf")

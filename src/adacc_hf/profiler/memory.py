@@ -54,9 +54,9 @@ from torch import nn
 from ..adapters import BlockGroup, get_adapter
 from ..policy import Policy
 from ..runtime import apply_adacc
+from ..runtime.context import autocast_context, devices_of, model_kwargs, train_mode
 from ..runtime.memory import recorded_forward
 from ..runtime.peak import AllocationTracker
-from ..runtime.trace import autocast_context, devices_of, model_kwargs, train_mode
 from ..schema import GroupPolicy, HeadCost, OpSpec, Timeline, Variant
 from .estimates import (
     StepMemory,

@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from ..runtime.checkpoint import own_eager_runs
+from ..runtime.context import autocast_context, detached_input
 from ..runtime.memory import StorageRecorder, young_objects
 from ..runtime.peak import AllocationTracker
-from ..runtime.trace import autocast_context, detached_input
 from ..schema import OpSpec, Profile, Variant, variant_key
 from .calibrate import MIN_ROUNDS, added_ms, interleaved_ms, table_runtimes
 

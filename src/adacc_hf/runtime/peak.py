@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .trace import autocast_context
+from .context import autocast_context
 
 _MARK = "adacc_mark::"
 
@@ -267,7 +267,7 @@ def measure_step_peak(
     `batch` is one micro-batch, or the micro-batches of one optimizer step (gradient accumulation:
     each loss is divided by their number, as the Trainer does). Forward runs under
     ``torch.autocast(dtype=autocast)`` when given (with an empty weight-cast cache, also inside a
-    caller's own autocast region: `trace.autocast_context`). The outputs are dropped before
+    caller's own autocast region: `context.autocast_context`). The outputs are dropped before
     backward except the loss (as ``Trainer.training_step`` does). With `optimizer`, its ``step()`` and
     ``zero_grad(set_to_none=True)`` run last. Without it, the gradients stay in ``.grad``, and a
     step measured beside gradients already there is a later micro-batch's (1x the gradients' bytes
