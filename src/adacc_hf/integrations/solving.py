@@ -176,11 +176,12 @@ class SessionSolving(SessionProfiling):
         """Measured compiled (`_measure_plan`), a plan often holds less than it was solved to:
         the solver counts every kept output, the compiled graph saves those backward reads
         (gpt2-cpu at a quarter of the way: 150.5 of 170.4 MiB). Where that leaves more than
-        `SLACK` of the activation share, solve once more as if every plan had this one's residual, measure
-        the new plan's tables and whole step compiled, and keep it only where all ranks measured
-        it within the limit and faster. The compiled headroom stays: a model compiled block by
-        block (`layer.compile()`) holds up to 1.1 % more than the step measured compiled whole
-        (llama-cpu; solved into that headroom, 215.8 MiB against a 213.9 MiB budget)."""
+        `SLACK` of the activation share, solve once more as if every plan had this one's
+        residual, measure the new plan's tables and whole step compiled, and keep it only where
+        all ranks measured it within the limit and faster. The compiled headroom stays: a model
+        compiled block by block (`layer.compile()`) holds up to 1.1 % more than the step
+        measured compiled whole (llama-cpu; solved into that headroom, 215.8 MiB against a
+        213.9 MiB budget)."""
         measured = profile.compiled.get("plans", {}).get(plan_key_of(profile, policy))
         if measured is None:
             return policy
