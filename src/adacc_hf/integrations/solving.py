@@ -198,16 +198,18 @@ class SessionSolving(SessionProfiling):
                 other = self.coordinator.share(lambda: self.solve(profile, reserve, bound))
         finally:
             profile.compiled.update(generic)
-        if plan_key_of(profile, other) == plan_key_of(profile, policy):
+        other_key = plan_key_of(profile, other)
+        if other_key == plan_key_of(profile, policy):
             return policy
         with self.own_forwards(), phase("action_tables"):
             rounds = self.config.profile_repeats
             measure_policy(profile, probes, other, self.autocast, rounds, room, self.config.compile)
         self._measure_plan(profile, batch, self._compiled(other), room)
         second = predict(profile, other, static, acc)
-        unmeasured = plan_key_of(profile, other) not in profile.compiled.get("plans", {})
+        unmeasured = other_key not in profile.compiled.get("plans", {})
         slower = int(unmeasured or second.added_ms >= first.added_ms)  # unmeasured: no margin
         top, slower = self.coordinator.agree((second.peak_nbytes, slower))
+        keep = top <= limit and not slower
         logger.debug(
             "adacc: compiled plan solved again into its slack: %s, %.1f ms -> %s, %.1f ms%s; %s",
             fmt_bytes(first.peak_nbytes),
@@ -215,9 +217,9 @@ class SessionSolving(SessionProfiling):
             fmt_bytes(second.peak_nbytes),
             second.added_ms,
             " (not measured whole)" if unmeasured else "",
-            "kept" if top <= limit and not slower else "the first kept",
+            "kept" if keep else "the first kept",
         )
-        return other if top <= limit and not slower else policy
+        return other if keep else policy
 
     def _within_budget(
         self,

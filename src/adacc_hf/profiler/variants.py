@@ -148,6 +148,18 @@ def fresh_code(fn: Callable) -> Callable:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def block_call(runtime: Any, fn: Callable, backend: str | None) -> Callable:
+    """The block's forward `fn` under a table's `runtime` (None: plain), compiled with `backend`
+    on a fresh copy of the code (`fresh_code`), or eager (None)."""
+
+    def forward(*args: Any) -> Any:
+        return runtime(fn, *args) if runtime is not None else fn(*args)
+
+    return (
+        torch.compile(fresh_code(forward), backend=backend, dynamic=False) if backend else forward
+    )
+
+
 def block_levels(
     probe: Any,
     variant: Variant | None,
@@ -163,16 +175,7 @@ def block_levels(
     table = {"v": variant}
     block = probe.block
     with table_runtimes(block, probe.path, probe.group, probe.ops, table, bool(backend)) as rts:
-        runtime = rts["v"]
-
-        def forward(*args: Any) -> Any:
-            return runtime(probe.fn, *args) if runtime is not None else probe.fn(*args)
-
-        call = (
-            torch.compile(fresh_code(forward), backend=backend, dynamic=False)
-            if backend
-            else forward
-        )
+        call = block_call(rts["v"], probe.fn, backend)
 
         def once(tracker: AllocationTracker | None) -> None:
             mark = tracker.mark if tracker is not None else (lambda name: None)
@@ -218,23 +221,6 @@ def recompute_key(group: str) -> str:
     return f"{group}:full"
 
 
-def _compiled_runner(runtime: Any, backend: str) -> Callable:
-    """A table's runtime (None: the plain block) as `calibrate.interleaved_ms` calls it, running
-    the block compiled with `backend` on a fresh copy of the code (`fresh_code`)."""
-    compiled: list[Callable] = []
-
-    def run(fn: Callable, *args: Any) -> Any:
-        if not compiled:
-
-            def forward(*a: Any) -> Any:
-                return runtime(fn, *a) if runtime is not None else fn(*a)
-
-            compiled.append(torch.compile(fresh_code(forward), backend=backend, dynamic=False))
-        return compiled[0](*args)
-
-    return run
-
-
 def variant_times(
     probe: BlockProbe,
     variants: list[Variant],
@@ -250,8 +236,9 @@ def variant_times(
     block, device = probe.block, probe.args[0].device
     with table_runtimes(block, probe.path, probe.group, probe.ops, tables, bool(compile)) as rts:
         runs: dict[str, Any] = rts
-        if compile:
-            runs = {n: _compiled_runner(rt, compile) for n, rt in rts.items()}
+        if compile:  # as `interleaved_ms` calls a runtime: (fn, *args), the call compiled
+            calls = {n: block_call(rt, probe.fn, compile) for n, rt in rts.items()}
+            runs = {n: lambda _fn, *a, c=c: c(*a) for n, c in calls.items()}
         with own_eager_runs():
             times = interleaved_ms(block, probe.fn, probe.args, runs, device, rounds, autocast)
     return [added_ms(times, str(i), "plain") for i in range(len(variants))]
