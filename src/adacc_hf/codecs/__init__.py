@@ -4,13 +4,15 @@
 :class:`Encoded` payload and ``codec.decode(enc)`` restores shape, dtype and device.
 Codecs: ``int4_outlier``, ``int4_channel``, ``int4_asym``, ``int4_naive`` (lossy INT4),
 ``fp8_e4m3`` (lossy FP8) and ``bitpack`` (lossless dropout masks). Layouts are documented in
-:mod:`.base` and per codec. On CUDA tensors the Triton kernels of the ``kernels`` package run
-instead of the torch code when triton is installed (:mod:`.dispatch`; ``ADACC_KERNELS``).
+:mod:`.base` and per codec. Each codec runs on one of its backends (:mod:`.backends`: the torch
+reference, the reference compiled by inductor, the Triton kernels of ``adacc_kernels``, a
+library's kernels), all bit-identical; by default the Triton kernels on CUDA tensors when triton
+is installed (:mod:`.dispatch`; ``ADACC_KERNELS``), the reference elsewhere.
 """
 
 from __future__ import annotations
 
-from . import bitpack, fp8, int4_asym, int4_channel, int4_naive, int4_outlier  # noqa: F401 (register)
+from . import backends, bitpack, fp8, int4_asym, int4_channel, int4_naive, int4_outlier  # noqa: F401
 from .base import (
     Codec,
     CodecError,
@@ -40,6 +42,7 @@ __all__ = [
     "Encoded",
     "KernelError",
     "available_codecs",
+    "backends",
     "dtype_named",
     "get_codec",
     "has_sentinels",

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import AdaccError
-from . import dispatch
+from . import backends
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -105,20 +105,21 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
 
 class Codec:
     """Base class of all activation codecs. Subclasses set ``name`` and ``lossless`` and
-    implement ``_encode`` / ``_decode`` (the torch reference) on row-major inputs."""
+    implement ``_encode`` / ``_decode`` (the torch reference) on row-major inputs.
+
+    ``backend`` (set by :func:`get_codec`) pins the implementation that runs it (:mod:`.backends`:
+    ``"torch"``, ``"inductor"``, ``"triton"`` or a library's); None follows the kernel mode."""
 
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = False
     dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
+    backend: str | None = None
 
     def encode(self, x: torch.Tensor) -> Encoded:
         """Encode ``x`` (never syncs with the device; see the module doc for non-finite values)."""
         self._check_input(x)
         xm, order = memory_order(x.detach())
-        if dispatch.use_kernel(xm):
-            tensors, meta = dispatch.encode(self, xm)
-        else:
-            tensors, meta = self._encode(xm)
+        tensors, meta = backends.encode(self, xm)
         return Encoded(self.name, x.shape, x.dtype, tensors, meta, order)
 
     def decode(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,12 +133,7 @@ class Codec:
                 raise CodecError(f"{self.name}: out has shape {tuple(out.shape)} / {out.dtype}")
             if not out_m.is_contiguous():
                 raise CodecError(f"{self.name}: out must have the encoded tensor's memory layout")
-        if dispatch.use_kernel(enc.device):
-            y = dispatch.decode(self, enc, out_m)
-        else:
-            y = self._decode(enc).contiguous().reshape(enc.stored_shape)
-            if out_m is not None:
-                y = out_m.copy_(y)
+        y = backends.decode(self, enc, out_m)
         if out is not None:
             return out
         return y.permute(_inverse(enc.order)) if enc.order is not None else y
@@ -183,7 +179,8 @@ class Codec:
             raise CodecError(f"{self.name}: cannot decode a payload of codec {enc.codec!r}")
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        params = {**self.params(), **({"backend": self.backend} if self.backend else {})}
+        args = ", ".join(f"{k}={v!r}" for k, v in params.items())
         return f"{type(self).__name__}({args})"
 
 
@@ -205,11 +202,23 @@ def available_codecs() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_codec(name: str, **params: Any) -> Codec:
-    """Build the codec registered as ``name`` with constructor ``params``."""
+def get_codec(name: str, backend: str | None = None, **params: Any) -> Codec:
+    """Build the codec registered as ``name`` with constructor ``params``.
+
+    Args:
+        name: A registered codec (:func:`available_codecs`).
+        backend: The implementation that runs it (:data:`.backends.BACKENDS`; one the codec has,
+            :func:`.backends.backends_of`); None: the kernel mode's choice.
+        **params: The codec's constructor parameters (``codec.params()`` gives them back).
+    """
     cls = _REGISTRY.get(name)
     if cls is None:
         raise CodecError(f"unknown codec {name!r}; available: {', '.join(available_codecs())}")
+    if backend is not None and backend not in backends.backends_of(name):
+        raise CodecError(
+            f"codec {name!r} has no backend {backend!r}; it has "
+            f"{', '.join(backends.backends_of(name))}"
+        )
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     sig = inspect.signature(cls.__init__).parameters.values()
     accepted = [p.name for p in sig if p.kind in kinds and p.name != "self"]
@@ -219,7 +228,9 @@ def get_codec(name: str, **params: Any) -> Codec:
             f"codec {name!r} has no parameter(s) {', '.join(unknown)}; "
             f"accepted: {', '.join(accepted) or 'none'}"
         )
-    return cls(**params)
+    codec = cls(**params)
+    codec.backend = backend
+    return codec
 
 
 def check_int_param(codec: str, pname: str, value: Any, minimum: int) -> int:

@@ -54,9 +54,11 @@ __all__ = [
     "KernelError",
     "decode",
     "encode",
+    "generation",
     "has_kernel",
     "kernel_mode",
     "kernel_mode_override",
+    "kernel_unavailable",
     "kernels_available",
     "refresh_kernel_mode",
     "set_kernel_mode",
@@ -70,6 +72,8 @@ _override: str | None = None
 # refresh_kernel_mode): the hot path reads no environment and imports nothing per call.
 _env_mode: str | None = None
 _decisions: dict[torch.device, bool] = {}
+# Bumped whenever the mode may have changed: what other modules cache per mode keys on it.
+_generation = 0
 
 
 class KernelError(AdaccError):
@@ -80,6 +84,17 @@ def _check_mode(mode: str, where: str) -> str:
     if mode not in MODES:
         raise KernelError(f"{where}: kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
+
+
+def generation() -> int:
+    """A number that changes whenever the kernel mode may have changed (caches key on it)."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
+    _decisions.clear()
 
 
 def kernel_mode() -> str:
@@ -99,14 +114,14 @@ def refresh_kernel_mode() -> None:
     ``TRITON_INTERPRET``) again. Needed only after changing those variables mid-process."""
     global _env_mode
     _env_mode = None
-    _decisions.clear()
+    _changed()
 
 
 def set_kernel_mode(mode: str | None) -> None:
     """Force ``"auto"``, ``"triton"`` or ``"torch"`` for this process; ``None`` clears it."""
     global _override
     _override = None if mode is None else _check_mode(mode, "set_kernel_mode")
-    _decisions.clear()
+    _changed()
 
 
 @contextlib.contextmanager
@@ -119,7 +134,7 @@ def kernel_mode_override(mode: str | None) -> Iterator[None]:
         yield
     finally:
         _override = previous
-        _decisions.clear()
+        _changed()
 
 
 @functools.cache
@@ -138,6 +153,24 @@ def _supported_gpu(device: torch.device) -> bool:
     the reference in "auto" mode (force "triton" to try the kernels there)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def kernel_unavailable(device: torch.device) -> str | None:
+    """None where the Triton kernels can run on ``device`` (a CUDA GPU of sm_80 or newer, or a CPU
+    under Triton's interpreter), else why not."""
+    if device.type == "cuda":
+        if not kernels_available():
+            return "triton is not installed"
+        return None if _supported_gpu(device) else "the kernels need a GPU of sm_80 or newer"
+    try:
+        from adacc_kernels._triton import KernelUnavailableError, check_launchable
+    except ImportError as err:
+        return f"the kernels package is missing: {err}"
+    try:
+        check_launchable(device)
+    except KernelUnavailableError as err:
+        return str(err)
+    return None
 
 
 def _decide(mode: str, device: torch.device) -> bool:

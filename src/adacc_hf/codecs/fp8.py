@@ -22,12 +22,14 @@ from .int4 import (
     finite_absmax,
     flagged_scale,
     nonfinite_any,
+    per_column,
     rows_channels,
 )
 
 BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_FLAGGED_MAX = 224.0  # finite values of a flagged block stay below the marker codes
+NAN_CODE = 0x7F  # the one code of a NaN (positive sign)
 
 
 @functools.cache
@@ -57,32 +59,28 @@ class Fp8E4m3Codec(Codec):
     def _encode(self, x: torch.Tensor) -> tuple[dict, dict]:
         rows, channels = rows_channels(x.shape)
         n_blocks = -(-channels // BLOCK)
-        xf = torch.nn.functional.pad(as_rows_f32(x), (0, n_blocks * BLOCK - channels))
-        xb = xf.reshape(rows, n_blocks, BLOCK)
+        xf = as_rows_f32(x)
+        xb = torch.nn.functional.pad(xf, (0, n_blocks * BLOCK - channels))
+        xb = xb.reshape(rows, n_blocks, BLOCK)
         flag = nonfinite_any(xb, -1)
         scale = flagged_scale(finite_absmax(xb, -1), flag, FP8_MAX, FP8_FLAGGED_MAX)
-        s = scale.abs().unsqueeze(-1)
+        s = per_column(scale.abs(), channels, BLOCK)
         # a zero scale divides by 1 (its finite elements are 0); +-inf clamp to the +-448
         # markers, NaN stays NaN
-        y = (xb / torch.where(s == 0, 1.0, s)).clamp_(-FP8_MAX, FP8_MAX)
-        q = torch.ops.aten._to_copy.default(y, dtype=torch.float8_e4m3fn).reshape(rows, -1)
-        if n_blocks * BLOCK != channels:
-            q = q[:, :channels].clone(memory_format=torch.contiguous_format)
-        return {"q": q, "scale": scale.contiguous()}, {}
+        y = (xf / torch.where(s == 0, 1.0, s)).clamp_(-FP8_MAX, FP8_MAX)
+        q = torch.ops.aten._to_copy.default(y, dtype=torch.float8_e4m3fn).view(torch.uint8)
+        # every NaN is the code 0x7F (a NaN's sign bit is whatever the hardware's division and
+        # clamp left: vectorised code sets it where scalar code does not)
+        q = torch.where(torch.isnan(y), NAN_CODE, q).view(torch.float8_e4m3fn)
+        return {"q": q.contiguous(), "scale": scale.contiguous()}, {}
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
         rows, channels = rows_channels(enc.shape)
-        n_blocks = enc.tensors["scale"].shape[1]
-        q = torch.nn.functional.pad(
-            enc.tensors["q"].view(torch.uint8), (0, n_blocks * BLOCK - channels)
-        )
-        s = enc.tensors["scale"].unsqueeze(-1)
-        idx = q.reshape(rows, n_blocks, BLOCK).to(torch.int32) + (
-            torch.signbit(s).to(torch.int32) << 8
-        )
+        q = enc.tensors["q"].view(torch.uint8).reshape(rows, channels)
+        s = per_column(enc.tensors["scale"], channels, BLOCK)
+        idx = q.to(torch.int32) + (torch.signbit(s).to(torch.int32) << 8)
         values = _code_values(q.device).index_select(0, idx.reshape(-1)).reshape(idx.shape)
-        x = (values * s.abs()).reshape(rows, -1)[:, :channels]
-        return x.to(enc.dtype)
+        return (values * s.abs()).to(enc.dtype)
 
     def predict_nbytes(
         self, shape: Sequence[int], dtype: torch.dtype, n_outlier_channels: int = 0

@@ -144,12 +144,20 @@ def dequantize_groups(
     packed: torch.Tensor, scale: torch.Tensor, channels: int, group_size: int
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_groups`: float32 [rows, channels] = q * |scale|."""
-    rows, n_groups = scale.shape
+    rows, _ = scale.shape
     group, padded = group_layout(channels, group_size)
-    nib = unpack_nibbles(packed, rows * padded).reshape(rows, n_groups, group)
-    s = scale.unsqueeze(-1)
-    x = int4_values(nib, torch.signbit(s)) * s.abs()
-    return x.reshape(rows, padded)[:, :channels]
+    nib = unpack_nibbles(packed, rows * padded).reshape(rows, padded)[:, :channels]
+    s = per_column(scale, channels, group)
+    return int4_values(nib, torch.signbit(s)) * s.abs()
+
+
+def per_column(segments: torch.Tensor, channels: int, width: int) -> torch.Tensor:
+    """[rows, channels]: each channel's value of ``segments`` [rows, ceil(C / width)] (one per
+    run of `width` channels). Decoders scale the unpadded columns with it: computing on padded
+    segments and slicing the pad off afterwards is what torch 2.13's inductor compiles wrong on a
+    CPU (the last segment), so every backend computes this way."""
+    idx = torch.arange(channels, device=segments.device) // width
+    return segments.index_select(1, idx)
 
 
 def groups_nbytes(rows: int, channels: int, group_size: int) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..codecs import CodecError, get_codec
+from ..codecs.backends import BACKENDS
 from ..errors import AdaccError
 from ..runtime.offload import default_host_cap
 from ..schema import HEADS
@@ -38,6 +39,10 @@ class AdaccConfig:
 
     budget: int | str = "auto"
     codecs: list[str] | None = None  # codecs the solver may pick (None: each layer type's own)
+    # codec implementations timed on each op, the fastest used (`codecs.backends`: "torch",
+    # "inductor", "triton", "bitsandbytes", "torchao"); None: every one on CUDA, the default
+    # one elsewhere
+    codec_backends: list[str] | None = None
     zscore_threshold: float = 3.0
     adaptive: bool = True
     max_tracking_interval: int = 1024
@@ -118,6 +123,13 @@ class AdaccConfig:
                     get_codec(name)
                 except CodecError as e:
                     raise AdaccError(f"adacc codecs: {e}") from None
+        if self.codec_backends is not None:
+            unknown = sorted(set(self.codec_backends) - set(BACKENDS))
+            if unknown or not self.codec_backends:
+                raise AdaccError(
+                    f"codec_backends: unknown {unknown or 'empty list'}; use some of "
+                    f"{', '.join(BACKENDS)} (or None: all on CUDA)"
+                )
         if self.head not in ("auto", *HEADS):
             raise AdaccError(f"head must be 'auto' or one of {list(HEADS)}, not {self.head!r}")
         if self.max_tracking_interval < 1:

@@ -227,6 +227,7 @@ class SessionProfiling:
                 head=self.config.head,
                 memory=memory,
                 compile=self.config.compile,
+                codec_backends=self.config.codec_backends,
             )
 
     def _pad_id(self) -> int | None:
@@ -250,7 +251,9 @@ class SessionProfiling:
         bucket: list[Profile] = []
         if self.saved_profiles:  # this run's now: the autocast may have moved (`follow_autocast`)
             c = self.config
-            run = run_fingerprint(self.model, self.autocast, c.codecs, c.codec_params(), c.compile)
+            run = run_fingerprint(
+                self.model, self.autocast, c.codecs, c.codec_params(), c.compile, c.codec_backends
+            )
             now = {**run, "heads": c.head, **now}
             bucket = [
                 p for p in self.saved_profiles if p.fingerprint.get("bucket") == now["bucket"]

@@ -53,7 +53,7 @@ def keeps_statistics(op: OpSpec) -> bool:
 def lossy(action: Action) -> bool:
     """A compress (or offload) action whose codec does not give back exactly what it was
     given."""
-    return action.codec is not None and not get_codec(action.codec, **dict(action.params)).lossless
+    return action.codec is not None and not get_codec(action.codec, **action.codec_kwargs).lossless
 
 
 def conflicts(

@@ -203,7 +203,7 @@ class Policy:
                         )
                     if act.codec is not None:
                         try:
-                            get_codec(act.codec, **dict(act.params))
+                            get_codec(act.codec, **act.codec_kwargs)
                         except CodecError as e:
                             raise PolicyError(f"group {name!r}, op {key}: {e}") from None
 

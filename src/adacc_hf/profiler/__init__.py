@@ -72,6 +72,7 @@ def profile_model(
     head: str = "auto",
     memory: bool = True,
     compile: str | None = None,
+    codec_backends: Iterable[str] | None = None,
 ) -> Profile:
     """Measure one block of each group on the model's device with the real micro-batch.
 
@@ -88,6 +89,8 @@ def profile_model(
     `derive.interpolate_memory`. Where the time went is in the profile's ``phase_ms`` (`phases`).
     `compile`: the ``torch.compile`` backend the blocks will run under; their memory is then
     measured compiled too and the profile moved by the difference (`compiled`).
+    `codec_backends`: the codec implementations timed on each op, the fastest kept
+    (`codecs.backends`; None: all on CUDA, the default one elsewhere: `ops.timed_backends`).
     """
     with recording() as phase_ms:
         profile = _profile_model(
@@ -104,6 +107,7 @@ def profile_model(
             head=head,
             memory=memory,
             compile=compile,
+            codec_backends=codec_backends,
         )
     profile.phase_ms = {k: round(v, 1) for k, v in phase_ms.items()}
     return profile
@@ -124,6 +128,7 @@ def _profile_model(
     head: str,
     memory: bool,
     compile: str | None,
+    codec_backends: Iterable[str] | None = None,
 ) -> Profile:
     t_start = time.perf_counter()
     adapter = get_adapter(model)
@@ -142,6 +147,7 @@ def _profile_model(
         reference=reference.groups if reference is not None else None,
         probes=probes if not sharded(base) else None,  # a sharded block gathers across ranks
         backward=not sharded(base),
+        codec_backends=codec_backends,
     )
     # Profiling draws no random numbers the run would see: its dropout masks stay those of a run
     # without Adacc.
@@ -225,7 +231,7 @@ def _profile_model(
         heads=heads,
         library_version=__version__,
         fingerprint={
-            **run_fingerprint(base, autocast, codecs, codec_params, compile),
+            **run_fingerprint(base, autocast, codecs, codec_params, compile, codec_backends),
             "heads": head,
         },
     )

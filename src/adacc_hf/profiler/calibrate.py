@@ -108,9 +108,7 @@ def tables(ops: list[OpProfile]) -> dict[str, Variant | None]:
             continue
         keep[op.key] = Action.retain()
         best = _cheapest(op)
-        compress[op.key] = (
-            Action.compress(best[0], **best[1].params) if best is not None else Action.retain()
-        )
+        compress[op.key] = best[1].action() if best is not None else Action.retain()
     return {
         "plain": None,
         "recompute": Variant(1, True, {}),

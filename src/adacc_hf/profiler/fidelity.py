@@ -133,10 +133,7 @@ def measure_grad_errors(
             and codec_can_pay(op, cp)  # else recompute beats it: the solver never picks it
             and not get_codec(cp.codec, **cp.params).lossless
         ]
-        variants = [
-            op_grad_error_variant(group.ops, op.key, Action.compress(cp.codec, **cp.params))
-            for op, cp in todo
-        ]
+        variants = [op_grad_error_variant(group.ops, op.key, cp.action()) for op, cp in todo]
         for (_, cp), err in zip(todo, block_error(probe, variants, autocast), strict=True):
             cp.grad_error = err
             n += 1

@@ -37,9 +37,11 @@ def run_fingerprint(
     codecs: Iterable[str] | None = None,
     codec_params: Mapping[str, Mapping[str, Any]] | None = None,
     compile: str | None = None,
+    codec_backends: Iterable[str] | None = None,
 ) -> dict[str, str]:
     """The fingerprint of profiling `model` (the unwrapped transformers model) now; `compile`:
-    the torch.compile backend its blocks were measured under (an entry only when set)."""
+    the torch.compile backend its blocks were measured under, `codec_backends` the codec
+    backends timed (an entry each only when set)."""
     import transformers
 
     config = model.config
@@ -68,6 +70,8 @@ def run_fingerprint(
     }
     if compile is not None:
         out["compile"] = compile
+    if codec_backends is not None:
+        out["codec_backends"] = ",".join(codec_backends)
     return out
 
 

@@ -10,7 +10,15 @@ from typing import Any
 
 import torch
 
-from ..codecs import Codec, dtype_named, get_codec, has_sentinels, payload_finite, relative_error
+from ..codecs import (
+    Codec,
+    backends,
+    dtype_named,
+    get_codec,
+    has_sentinels,
+    payload_finite,
+    relative_error,
+)
 from ..runtime.kept import generator_state_nbytes
 from ..runtime.ops import cache_target, storage_id, tensor_outputs
 from ..runtime.overhead import dispatch_overhead_ms
@@ -41,16 +49,50 @@ def candidate_codecs(
     return [get_codec(n, **dict(params.get(n, {}))) for n in codec_candidates(op, allowed)]
 
 
+def timed_backends(
+    codec: Codec, device: torch.device, allowed: Iterable[str] | None = None
+) -> list[str]:
+    """The backends `profile_codec` times for `codec` on `device`: of `allowed` (None: every
+    backend on CUDA; elsewhere the kernel mode's choice alone, as compiling per shape costs a
+    CPU run more than it saves), those the codec has that can run there."""
+    if allowed is None:
+        if device.type != "cuda":
+            return [backends.resolve(codec, device)]
+        allowed = backends.BACKENDS
+    own = backends.backends_of(codec.name)
+    return [b for b in allowed if b in own and backends.unavailable(codec.name, b, device) is None]
+
+
 def profile_codec(
-    codec: Codec, x: torch.Tensor, device: torch.device, repeats: int = 3
+    codec: Codec,
+    x: torch.Tensor,
+    device: torch.device,
+    repeats: int = 3,
+    backends_allowed: Iterable[str] | None = None,
 ) -> CodecProfile | None:
-    """Encode/decode time, exact encoded size and error of `codec` on the real tensor `x`.
+    """Encode/decode time, exact encoded size and error of `codec` on the real tensor `x`, on
+    the fastest of its backends measured here (`timed_backends`; every one gives the same
+    payload, so size and error are the fastest's).
 
     None when the codec cannot encode `x` (non-finite values, e.g. -inf masked scores).
     """
     if not codec.applicable(x):
         return None
     x = x.detach()
+    clock = work_clock(device)
+    names = timed_backends(codec, device, backends_allowed)
+    times: dict[str, list[float]] = {}
+    for name in names:
+        run = get_codec(codec.name, backend=name, **codec.params())
+        warm = run.encode(x)  # the first call compiles or tunes where the backend does
+        run.decode(warm)
+        times[name] = [
+            time_call(lambda run=run: run.encode(x), device, repeats, clock),
+            time_call(lambda run=run, e=warm: run.decode(e), device, repeats, clock),
+        ]
+        del warm
+    best = min(times, key=lambda n: sum(times[n]))
+    codec = get_codec(codec.name, backend=best, **codec.params())
     tracker = AllocationTracker(device)
     with tracker:
         enc = codec.encode(x)
@@ -70,12 +112,14 @@ def profile_codec(
         codec=codec.name,
         params=codec.params(),
         nbytes=enc.nbytes(),
-        encode_ms=time_call(lambda: codec.encode(x), device, repeats, work_clock(device)),
-        decode_ms=time_call(lambda: codec.decode(enc), device, repeats, work_clock(device)),
+        encode_ms=times[best][0],
+        decode_ms=times[best][1],
         rel_error=err,
         n_outliers=int(enc.meta.get("outlier_count", 0)),
         encode_workspace_nbytes=max(0, encode_ws),
         decode_workspace_nbytes=max(0, decode_ws),
+        backend=best if len(times) > 1 else "",
+        backend_ms=times if len(times) > 1 else {},
     )
 
 
@@ -138,6 +182,8 @@ def scaled(ops: list[OpSpec], outputs: list, outs: set[int], ref: GroupProfile) 
                 encode_workspace_nbytes=round(cp.encode_workspace_nbytes * ratio),
                 decode_workspace_nbytes=round(cp.decode_workspace_nbytes * ratio),
                 grad_error=cp.grad_error,  # relative: carries over like rel_error
+                backend=cp.backend,
+                backend_ms={b: [t * ratio for t in ts] for b, ts in cp.backend_ms.items()},
             )
         out.append(prof)
     mean = sum(ratios) / max(1, len(ratios))
@@ -158,6 +204,7 @@ def op_visitor(
     reference: Mapping[str, GroupProfile] | None = None,
     probes: dict | None = None,
     backward: bool = True,
+    codec_backends: Iterable[str] | None = None,
 ):
     """A `run_representatives` visitor that times every op of the block `repeats` times (after
     `warmup` runs) and profiles each candidate codec on the op's real output, then scales those
@@ -165,8 +212,10 @@ def op_visitor(
     a sharded block, only the forward's dispatch overhead is measured); with a `reference`
     profile of the same model at another shape, it only traces the block and scales the
     reference's costs (`scaled`), measuring the group anew where the ops differ. `probes`, when
-    given, gets each group's block and inputs (`variants.BlockProbe`)."""
+    given, gets each group's block and inputs (`variants.BlockProbe`); `codec_backends`: the
+    codec backends timed per op (`timed_backends`)."""
     allowed = list(codecs) if codecs is not None else None
+    codec_backends = list(codec_backends) if codec_backends is not None else None
     timer = timer_for(device)
 
     def visit(adapter, group, block, fn, args):
@@ -224,7 +273,7 @@ def op_visitor(
             if op.cacheable and target is not None and not has_sentinels(target):
                 with phase("codecs"):
                     for codec in candidate_codecs(op, allowed, codec_params):
-                        cp = profile_codec(codec, target, device)
+                        cp = profile_codec(codec, target, device, backends_allowed=codec_backends)
                         if cp is not None:
                             prof.codecs[codec.name] = cp
             op_profiles.append(prof)

@@ -141,7 +141,7 @@ class BlockRuntime:
     def codec(self, action: Action) -> Codec:
         c = self._codecs.get(action)
         if c is None:
-            c = self._codecs[action] = get_codec(action.codec, **dict(action.params))
+            c = self._codecs[action] = get_codec(action.codec, **action.codec_kwargs)
             self._codecs[c.name] = c
         return c
 

@@ -52,13 +52,13 @@ MARK = "adacc_codec"
 
 def spec(action: Action) -> str:
     """A compressed action's codec as the string the custom ops take."""
-    return json.dumps([action.codec, dict(action.params)], sort_keys=True)
+    return json.dumps([action.codec, action.codec_kwargs], sort_keys=True)
 
 
 @functools.lru_cache(maxsize=64)
 def _codec(spec: str) -> Codec:
-    name, params = json.loads(spec)
-    return get_codec(name, **params)
+    name, kwargs = json.loads(spec)
+    return get_codec(name, **kwargs)
 
 
 def _flat(enc: Encoded) -> list[torch.Tensor]:

@@ -85,11 +85,13 @@ ACTION_KINDS: tuple[str, ...] = ("retain", "recompute", "compress", "offload")
 class Action:
     """What happens to one op's output: ``retain``, ``recompute``, ``compress`` with a codec, or
     ``offload`` (to host memory until backward) as it is or encoded with a codec first
-    (``offload:<codec>``)."""
+    (``offload:<codec>``). ``backend`` names the codec's implementation the profiler found
+    fastest on the device (``codecs.backends``; None: the kernel mode's choice)."""
 
     kind: ActionKind
     codec: str | None = None
     params: tuple[tuple[str, Any], ...] = ()
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ACTION_KINDS:
@@ -98,6 +100,8 @@ class Action:
             raise PolicyError("a 'compress' action needs a codec")
         if self.kind in ("retain", "recompute") and self.codec is not None:
             raise PolicyError(f"a {self.kind!r} action takes no codec; use 'compress' or 'offload'")
+        if self.backend is not None and self.codec is None:
+            raise PolicyError(f"a {self.kind!r} action without a codec takes no backend")
 
     @property
     def keeps(self) -> bool:
@@ -117,17 +121,25 @@ class Action:
         return cls("recompute")
 
     @classmethod
-    def compress(cls, codec: str, **params: Any) -> Action:
-        return cls("compress", codec, tuple(sorted(params.items())))
+    def compress(cls, codec: str, backend: str | None = None, **params: Any) -> Action:
+        return cls("compress", codec, tuple(sorted(params.items())), backend)
 
     @classmethod
-    def offload(cls, codec: str | None = None, **params: Any) -> Action:
-        return cls("offload", codec, tuple(sorted(params.items())))
+    def offload(cls, codec: str | None = None, backend: str | None = None, **params: Any) -> Action:
+        return cls("offload", codec, tuple(sorted(params.items())), backend)
+
+    @property
+    def codec_kwargs(self) -> dict[str, Any]:
+        """``get_codec(action.codec, **action.codec_kwargs)`` builds the codec this action runs."""
+        return {**dict(self.params), "backend": self.backend}
 
     def to_json(self) -> str | dict[str, Any]:
         if self.codec is None:
             return self.kind
-        return {self.kind: self.codec, "params": dict(self.params)}
+        d: dict[str, Any] = {self.kind: self.codec, "params": dict(self.params)}
+        if self.backend is not None:
+            d["backend"] = self.backend
+        return d
 
     @classmethod
     def from_json(cls, obj: Any) -> Action:
@@ -141,17 +153,22 @@ class Action:
                 params = obj.get("params", {})
                 if not isinstance(params, dict):
                     raise PolicyError(f"codec params must be an object, got {params!r}")
-                return cls(kind, obj[kind], tuple(sorted(params.items())))  # type: ignore[arg-type]
+                backend = obj.get("backend")
+                if backend is not None and not isinstance(backend, str):
+                    raise PolicyError(f"a codec backend must be a name, got {backend!r}")
+                return cls(kind, obj[kind], tuple(sorted(params.items())), backend)  # type: ignore[arg-type]
         raise PolicyError(
             f"cannot read action {obj!r}: expected 'retain', 'recompute', 'offload', "
-            "{'compress': CODEC, 'params': {...}} or {'offload': CODEC, 'params': {...}}"
+            "{'compress': CODEC, 'params': {...}, 'backend': NAME} or "
+            "{'offload': CODEC, 'params': {...}}"
         )
 
     def __str__(self) -> str:
         if self.codec is None:
             return self.kind
         extra = ",".join(f"{k}={v}" for k, v in self.params)
-        return f"{self.kind}:{self.codec}" + (f"({extra})" if extra else "")
+        on = f"@{self.backend}" if self.backend else ""
+        return f"{self.kind}:{self.codec}" + (f"({extra})" if extra else "") + on
 
 
 RECOMPUTE = Action("recompute")

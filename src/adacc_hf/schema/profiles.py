@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..errors import PolicyError
-from .ops import ALWAYS_RETAIN, PROFILE_FORMAT, OpSpec
+from .ops import ALWAYS_RETAIN, PROFILE_FORMAT, Action, OpSpec
 
 
 # ----------------------------------------------------------------------------------- profiles
@@ -28,10 +28,20 @@ class CodecProfile:
     # relative error of the profiled block's gradients with only this op compressed
     # (`profiler.fidelity`); None: not measured
     grad_error: float | None = None
+    # the implementation the times are of, the fastest measured on the device
+    # (`codecs.backends`; "": the kernel mode's choice, the only one measured)
+    backend: str = ""
+    # every backend measured: name -> [encode_ms, decode_ms]
+    backend_ms: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def ms(self) -> float:
         return self.encode_ms + self.decode_ms
+
+    def action(self, kind: str = "compress") -> Action:
+        """The action that runs this codec as measured (its parameters and backend)."""
+        make = Action.compress if kind == "compress" else Action.offload
+        return make(self.codec, self.backend or None, **self.params)
 
 
 @dataclass(frozen=True)

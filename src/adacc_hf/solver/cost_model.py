@@ -143,7 +143,7 @@ def choices_for(
         cands.append(
             Choice(
                 f"compress:{name}",
-                Action.compress(name, **cp.params),
+                cp.action("compress"),
                 cp.ms,
                 packed + op.rng_nbytes,
                 err,
@@ -153,7 +153,7 @@ def choices_for(
             cands.append(
                 Choice(
                     f"offload:{name}",
-                    Action.offload(name, **cp.params),
+                    cp.action("offload"),
                     cp.ms + copy_ms(link, packed),
                     op.rng_nbytes,
                     err,
@@ -324,7 +324,7 @@ def block_loads(
                     enc_ws = max(enc_ws, cp.encode_workspace_nbytes)
                     dec_ws = max(dec_ws, cp.decode_workspace_nbytes)
                 elif act.codec is not None:
-                    codec = get_codec(act.codec, **dict(act.params))
+                    codec = get_codec(act.codec, **act.codec_kwargs)
                     size = codec.predict_nbytes(op.shape, dtype_named(op.dtype)) + op.side_nbytes
                     unprofiled.append(f"{name}/{op.key}:{act.codec}")
                 if act.offloaded:
