@@ -45,6 +45,36 @@ Odd layouts (an odd number of codes per row, so bytes straddle rows) use a stati
 device: payload sizes are fixed by the input shape, and inf / NaN inputs are encoded in place
 (flagged segments and marker codes, ``adacc_hf.codecs.base``) rather than checked on the host.
 
+Autotuning: every launch goes through a ``triton.autotune`` object (:class:`._common.Tuned`; the
+config lists are built in one place, :func:`._common.configs`).
+
+* Tuned: each kernel's tile constexprs (``BLOCK_R`` / ``BLOCK_C`` / ``BLOCK_W`` / ``BLOCK_H`` /
+  ``BLOCK`` / ``BLOCK_P``), ``num_warps`` (1-16, by tile size) and, for kernels that loop,
+  ``num_stages`` 1-3 (the others keep Triton's default, 3). GPU candidates cover 512 to 8192
+  elements per program, pruned to what fits the shape (no tile wider than the padded extent; a
+  segment tile still holds a whole segment, or a ``MAX_SEGMENT_WIDTH`` chunk of a wider one), with
+  the old heuristic's choice first, so tuning never picks worse than it.
+* Keyed: each launcher's *plan* (power-of-two buckets of the shape and the settings the heuristic
+  reads) selects an autotuner; within it ``key`` is ``tune_key`` (an int argument holding the
+  power-of-two bucket of each dimension, :func:`._common.size_class`) plus the constexpr flags,
+  and Triton adds the tensors' dtypes. Shapes within a bucket share one tuning (training's
+  varying sequence lengths do not retune); results are also cached on disk by Triton. A key's
+  first launch benchmarks the candidates (a GPU sync, once); later launches are one launch each,
+  without syncs.
+* Interpreter (``TRITON_INTERPRET=1``): each plan's list is exactly the old heuristic's config.
+  It still goes through the autotuner, but nothing is benchmarked: the interpreter ignores warps
+  and stages, costs ~4 ms per program, and Triton's benchmarker needs a GPU.
+* Invariance: payloads never depend on the config. Elementwise work and max / min / integer
+  reductions are exact in any order; float sums, whose order follows the tile's layout and warps
+  (``int4_outlier``'s column sums, the selection's statistics), keep the heuristic's tile and
+  warps and tune only ``num_stages``. Buffers sized by the tiling take it from the plan (column
+  partials' row blocks are fixed per plan; bitpack's statistics are sized for the config with the
+  most programs and its finaliser reads the chosen config's count on the host). The tuner reruns
+  kernels while benchmarking: every kernel writes a function of its inputs, except the
+  selection's ticket counter, which is reset to zero before each run (``reset_to_zero``).
+  ``tests/test_kernel_autotune.py`` runs every candidate tile of small shapes against the torch
+  references.
+
 Nothing here imports triton at import time: kernel modules are imported by the ops on first
 use, which is when Triton decides between compiled kernels and its CPU interpreter
 (``TRITON_INTERPRET=1``, only for tests).

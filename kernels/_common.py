@@ -19,8 +19,9 @@ Two portability details:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -191,11 +192,18 @@ def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.device(t.device) if t.is_cuda else _NO_GUARD
 
 
-def launch(kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
+def launch(
+    kernel: Any,
+    grid: Sequence[int] | Callable[[dict[str, Any]], Sequence[int]],
+    *args: Any,
+    **kwargs: Any,
+) -> None:
     """``kernel[grid](*args, **kwargs)`` on the device of ``args[0]``, without FMA contraction.
-    Every kernel of this package is launched through here."""
+    Every kernel of this package is launched through here; ``kernel`` is an autotuner from
+    :meth:`Tuned.tuner` (or any Triton kernel), ``grid`` a tuple or a function of the launch's
+    arguments (``META``), as Triton takes it."""
     with device_guard(args[0]):
-        kernel[tuple(grid)](*args, **kwargs, **NO_FMA)
+        kernel[grid if callable(grid) else tuple(grid)](*args, **kwargs, **NO_FMA)
 
 
 def pow2(n: int) -> int:
@@ -230,3 +238,141 @@ def check_rows_input(x: torch.Tensor) -> tuple[int, int]:
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"kernels support float32/float16/bfloat16, got {x.dtype}")
     return x.shape[0], x.shape[1]
+
+
+# -- autotuning --------------------------------------------------------------------------
+# Every launched kernel is a :class:`Tuned`: a ``@triton.jit`` function plus the function that
+# lists its configs for a launch *plan* (the shape buckets and settings its tile choice depends
+# on). Each plan gets its own ``triton.autotune`` object; under the interpreter its config list
+# is exactly today's heuristic choice, on a GPU the candidates below (module doc of
+# :mod:`adacc_kernels`: what is tuned, what is keyed, the invariance rule).
+
+# Elements per program of the GPU candidates: small tiles with few warps up to big ones.
+TILE_SIZES = (512, 1024, 2048, 4096, 8192)
+# Software-pipelining depths tried for kernels that loop (kernels without loops keep Triton's
+# default, 3, which is also what every launch compiled with before autotuning); the short list
+# where the tiles already give many candidates.
+LOOP_STAGES = (1, 2, 3)
+FEW_STAGES = (1, 3)
+DEFAULT_STAGES = 3
+
+
+def warps_for(elems: int) -> tuple[int, ...]:
+    """Warp counts tried for a tile of ``elems`` elements (about 4 to 32 per thread)."""
+    if elems <= 256:
+        return (1, 2)
+    if elems <= 1024:
+        return (2, 4)
+    if elems <= 4096:
+        return (4, 8)
+    return (8, 16)
+
+
+def config(num_warps: int, num_stages: int = DEFAULT_STAGES, **tiles: int) -> triton.Config:
+    """A ``triton.Config`` of tile constexprs (``BLOCK_R=...``) and launch options."""
+    return triton.Config(tiles, num_warps=num_warps, num_stages=num_stages)
+
+
+def candidates(
+    tiles: Iterable[dict[str, int]],
+    elems: Callable[[triton.Config], int],
+    stages: Sequence[int] = (DEFAULT_STAGES,),
+) -> list[triton.Config]:
+    """Each tile with the warp counts that suit its size (:func:`warps_for`) and each of
+    ``stages``."""
+    out = []
+    for tile in tiles:
+        n = elems(config(1, **tile))
+        out += [config(w, s, **tile) for w in warps_for(n) for s in stages]
+    return out
+
+
+def configs(
+    interpreted_choice: triton.Config,
+    gpu_candidates: Iterable[triton.Config],
+    *,
+    interpreted: bool = INTERPRETED,
+) -> list[triton.Config]:
+    """The config list of one launch plan. Interpreted: exactly ``interpreted_choice`` (the
+    heuristic the kernels used before autotuning: tests stay as fast and give what they gave).
+    GPU: that choice first, then the candidates (duplicates dropped), so tuning never picks
+    worse than the heuristic."""
+    if interpreted:
+        return [interpreted_choice]
+    return list(dict.fromkeys([interpreted_choice, *gpu_candidates]))
+
+
+def tile_elems(c: triton.Config) -> int:
+    """Elements one program covers when a config's constexprs are all tile extents."""
+    return math.prod(c.kwargs.values())
+
+
+def size_class(*dims: int) -> int:
+    """The ``tune_key`` argument: the power-of-two bucket of each dimension, 6 bits each (shapes
+    that differ within a bucket share one tuning)."""
+    key = 0
+    for i, d in enumerate(dims):
+        key |= min((max(int(d), 1) - 1).bit_length(), 63) << (6 * i)
+    return key
+
+
+def chosen(tuner: Any) -> triton.Config:
+    """The config ``tuner`` launched with last (its first one before it ran, for launch
+    recorders that never run it)."""
+    return getattr(tuner, "best_config", None) or tuner.configs[0]
+
+
+class Tuned:
+    """A ``@triton.jit`` kernel launched through ``triton.autotune``.
+
+    ``space(*plan, interpreted=...)`` lists the configs of a launch plan (built with
+    :func:`configs`; pruned to what applies to the plan), ``elems(config)`` counts the elements
+    one program covers, ``key`` names the kernel arguments besides ``tune_key`` (always keyed)
+    whose values select a tuning, ``reset_to_zero`` / ``restore_value`` the buffers the tuner's
+    repeated runs must not leave changed (as in ``triton.autotune``).
+    """
+
+    def __init__(
+        self,
+        fn: Any,
+        space: Callable[..., list[triton.Config]],
+        *,
+        elems: Callable[[triton.Config], int],
+        key: Sequence[str] = (),
+        reset_to_zero: Sequence[str] = (),
+        restore_value: Sequence[str] = (),
+    ) -> None:
+        self.fn = fn
+        self.space = space
+        self.elems = elems
+        self.key = ["tune_key", *key]
+        self.reset_to_zero = list(reset_to_zero)
+        self.restore_value = list(restore_value)
+        self._tuners: dict[tuple[Any, ...], Any] = {}
+        ALL_TUNED.append(self)
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    def tuner(self, *plan: Any) -> Any:
+        """The autotuner of ``plan`` (built on first use, then cached)."""
+        tuner = self._tuners.get(plan)
+        if tuner is None:
+            tuner = self.autotuner(self.space(*plan, interpreted=INTERPRETED))
+            self._tuners[plan] = tuner
+        return tuner
+
+    def autotuner(self, configs: list[triton.Config]) -> Any:
+        """A new ``triton.autotune`` object over ``configs`` (tunings cached on disk too)."""
+        return triton.autotune(
+            configs,
+            key=self.key,
+            reset_to_zero=self.reset_to_zero or None,
+            restore_value=self.restore_value or None,
+            cache_results=True,
+        )(self.fn)
+
+
+# Every Tuned kernel, in definition order (tests walk them).
+ALL_TUNED: list[Tuned] = []

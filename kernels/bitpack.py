@@ -5,7 +5,8 @@ byte ``i // 8``). Float masks are read as raw bit patterns and the same pass wri
 statistics (min / max nonzero pattern, any nonzero, any ``-0.0``); a one-program kernel turns
 them into the ``scale`` (NaN for an input that is not a 0-or-scale mask, as in the reference)
 and two flags. Bool masks: one launch (its program 0 writes the zero flags). Nothing waits for
-the device.
+the device: the statistics are sized for the candidate config with the most programs, and the
+finaliser is told how many the chosen config wrote (the autotuner's choice, read on the host).
 Decode: one pass writing raw bit patterns (``scale`` or ``+0.0``), bit exact in every dtype.
 """
 
@@ -16,7 +17,24 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import bits_view, cdiv, launch, num_warps, pow2, rmax, rmin, rsum
+from ._common import (
+    FEW_STAGES,
+    TILE_SIZES,
+    Tuned,
+    bits_view,
+    candidates,
+    cdiv,
+    chosen,
+    config,
+    configs,
+    launch,
+    num_warps,
+    pow2,
+    rmax,
+    rmin,
+    rsum,
+    size_class,
+)
 from ._triton import check_launchable
 
 _MAG_MASK = {torch.float32: 0x7FFFFFFF, torch.float16: 0x7FFF, torch.bfloat16: 0x7FFF}
@@ -24,7 +42,7 @@ _INF_BITS = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0
 _NAN_BITS = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _bitpack_encode_kernel(
     x_ptr,
     bits_ptr,
@@ -33,6 +51,7 @@ def _bitpack_encode_kernel(
     flags_ptr,
     N,
     n_bytes,
+    tune_key,
     IS_FLOAT: tl.constexpr,
     MAG_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -65,12 +84,13 @@ def _bitpack_encode_kernel(
             tl.store(flags_ptr + tl.arange(0, 2), tl.full([2], 0, dtype=tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _bitpack_finish_kernel(
     stats_ptr,
     scale_ptr,
     flags_ptr,
     n_prog,
+    tune_key,
     MAG_MASK: tl.constexpr,
     INF_BITS: tl.constexpr,
     NAN_BITS: tl.constexpr,
@@ -101,9 +121,16 @@ def _bitpack_finish_kernel(
     tl.store(flags_ptr + 1, neg.to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _bitpack_decode_kernel(
-    bits_ptr, scale_ptr, out_ptr, N, n_bytes, IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr
+    bits_ptr,
+    scale_ptr,
+    out_ptr,
+    N,
+    n_bytes,
+    tune_key,
+    IS_FLOAT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     k = tl.arange(0, 8)
@@ -118,8 +145,33 @@ def _bitpack_decode_kernel(
     tl.store(out_ptr + e, out, mask=e < N)
 
 
-def _block(n_bytes: int) -> int:
-    return min(pow2(n_bytes), _common.TILE // 8)
+def _byte_elems(c: triton.Config) -> int:
+    return 8 * c.kwargs["BLOCK"]
+
+
+def _space(bytes_p2: int, tile: int, *, interpreted: bool) -> list[triton.Config]:
+    """BLOCK bytes (8 elements each) per program, no more than the input holds."""
+    block = min(bytes_p2, tile // 8)
+    legacy = config(num_warps(8 * block), BLOCK=block)
+    tiles = [{"BLOCK": n // 8} for n in TILE_SIZES if n // 8 <= bytes_p2]
+    return configs(legacy, candidates(tiles, _byte_elems), interpreted=interpreted)
+
+
+def _finish_space(prog_p2: int, *, interpreted: bool) -> list[triton.Config]:
+    """One program looping over the per-program statistics (min / max: any order is exact)."""
+    legacy = config(4, BLOCK_P=min(prog_p2, 1024))
+    tiles = [{"BLOCK_P": n} for n in (256, 1024) if n <= max(prog_p2, 256)]
+    gpu = candidates(tiles, lambda c: c.kwargs["BLOCK_P"], FEW_STAGES)
+    return configs(legacy, gpu, interpreted=interpreted)
+
+
+_ENCODE = Tuned(_bitpack_encode_kernel, _space, elems=_byte_elems, key=["IS_FLOAT"])
+_FINISH = Tuned(_bitpack_finish_kernel, _finish_space, elems=lambda c: c.kwargs["BLOCK_P"])
+_DECODE = Tuned(_bitpack_decode_kernel, _space, elems=_byte_elems, key=["IS_FLOAT"])
+
+
+def _grid(n_bytes: int):
+    return lambda meta: (cdiv(n_bytes, meta["BLOCK"]),)
 
 
 def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,12 +191,13 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     scale = torch.empty((), dtype=x.dtype, device=dev)
     flags = torch.empty(2, dtype=torch.int32, device=dev)
     is_float = x.dtype != torch.bool
-    block = _block(n_bytes)
-    n_prog = cdiv(n_bytes, block)
-    stats = torch.empty(n_prog if is_float else 1, 4, dtype=torch.int32, device=dev)
+    tuner = _ENCODE.tuner(pow2(n_bytes), _common.TILE)
+    # statistics rows for the config with the most programs (the tuner picks one on a GPU)
+    most = max(cdiv(n_bytes, c.kwargs["BLOCK"]) for c in tuner.configs) if is_float else 1
+    stats = torch.empty(most, 4, dtype=torch.int32, device=dev)
     launch(
-        _bitpack_encode_kernel,
-        (n_prog,),
+        tuner,
+        _grid(n_bytes),
         bits_view(x),
         bits,
         stats,
@@ -152,23 +205,23 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flags,
         n,
         n_bytes,
+        size_class(n_bytes),
         IS_FLOAT=is_float,
         MAG_MASK=_MAG_MASK.get(x.dtype, 0),
-        BLOCK=block,
-        num_warps=num_warps(8 * block),
     )
     if is_float:
+        n_prog = cdiv(n_bytes, chosen(tuner).kwargs["BLOCK"])  # host-side: no sync
         launch(
-            _bitpack_finish_kernel,
+            _FINISH.tuner(pow2(n_prog)),
             (1,),
             stats,
             bits_view(scale),
             flags,
             n_prog,
+            size_class(n_prog),
             MAG_MASK=_MAG_MASK[x.dtype],
             INF_BITS=_INF_BITS[x.dtype],
             NAN_BITS=_NAN_BITS[x.dtype],
-            BLOCK_P=min(pow2(n_prog), 1024),
         )
     return bits, scale, flags
 
@@ -187,18 +240,16 @@ def decode(
         out = torch.empty(numel, dtype=dtype, device=bits.device)
     is_float = dtype != torch.bool
     n_bytes = bits.numel()
-    block = _block(n_bytes)
     scale_bits = bits_view(scale.reshape(1)) if is_float else bits
     launch(
-        _bitpack_decode_kernel,
-        (cdiv(n_bytes, block),),
+        _DECODE.tuner(pow2(n_bytes), _common.TILE),
+        _grid(n_bytes),
         bits,
         scale_bits,
         bits_view(out),
         numel,
         n_bytes,
+        size_class(n_bytes),
         IS_FLOAT=is_float,
-        BLOCK=block,
-        num_warps=num_warps(8 * block),
     )
     return out

@@ -19,9 +19,14 @@ import triton.language as tl
 
 from . import _common
 from ._common import (
+    TILE_SIZES,
+    Tuned,
+    candidates,
     cast_out,
     cdiv,
     check_rows_input,
+    config,
+    configs,
     flagged_scale,
     is_finite,
     launch,
@@ -30,6 +35,8 @@ from ._common import (
     rmax,
     round_half_even,
     sign_set,
+    size_class,
+    tile_elems,
     with_sign,
 )
 from ._common import store_view as _store_view
@@ -67,9 +74,19 @@ def e4m3_bits_to_f32(c):
     return with_sign(v, (c & 0x80) != 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _fp8_encode_kernel(
-    x_ptr, q_ptr, scale_ptr, R, C, sxr, sxc, NB, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    R,
+    C,
+    sxr,
+    sxc,
+    NB,
+    tune_key,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -93,7 +110,7 @@ def _fp8_encode_kernel(
     tl.store(q_ptr + offs, tl.where(fin, f32_to_e4m3_bits(y), marks), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _fp8_decode_kernel(
     q_ptr,
     scale_ptr,
@@ -101,6 +118,7 @@ def _fp8_decode_kernel(
     R,
     C,
     NB,
+    tune_key,
     OUT_BF16: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -120,8 +138,20 @@ def _fp8_decode_kernel(
     tl.store(out_ptr + offs, cast_out(y, out_ptr, OUT_BF16), mask=m)
 
 
-def _block_r(rows: int) -> int:
-    return max(1, min(_common.TILE // BLOCK, pow2(rows)))
+def _space(rows_p2: int, tile: int, *, interpreted: bool) -> list[triton.Config]:
+    """[BLOCK_R, 128] tiles (one scale block per row and program), BLOCK_R <= the rows."""
+    block_r = max(1, min(tile // BLOCK, rows_p2))
+    legacy = config(num_warps(block_r * BLOCK), BLOCK_R=block_r, BLOCK_C=BLOCK)
+    tiles = [{"BLOCK_R": n // BLOCK, "BLOCK_C": BLOCK} for n in TILE_SIZES if n // BLOCK <= rows_p2]
+    return configs(legacy, candidates(tiles, tile_elems), interpreted=interpreted)
+
+
+_ENCODE = Tuned(_fp8_encode_kernel, _space, elems=tile_elems)
+_DECODE = Tuned(_fp8_decode_kernel, _space, elems=tile_elems, key=["OUT_BF16"])
+
+
+def _grid(rows: int, nb: int):
+    return lambda meta: (cdiv(rows, meta["BLOCK_R"]), nb)
 
 
 def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,10 +161,9 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nb = cdiv(channels, BLOCK)
     q = torch.empty(rows, channels, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows, nb, dtype=torch.float32, device=x.device)
-    block_r = _block_r(rows)
     launch(
-        _fp8_encode_kernel,
-        (cdiv(rows, block_r), nb),
+        _ENCODE.tuner(pow2(rows), _common.TILE),
+        _grid(rows, nb),
         x,
         q.view(torch.uint8),
         scale,
@@ -143,9 +172,7 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x.stride(0),
         x.stride(1),
         nb,
-        BLOCK_R=block_r,
-        BLOCK_C=BLOCK,
-        num_warps=num_warps(block_r * BLOCK),
+        size_class(rows, nb),
     )
     return q, scale
 
@@ -159,19 +186,16 @@ def decode(
     nb = scale.shape[1]
     if out is None:
         out = torch.empty(rows, channels, dtype=dtype, device=q.device)
-    block_r = _block_r(rows)
     launch(
-        _fp8_decode_kernel,
-        (cdiv(rows, block_r), nb),
+        _DECODE.tuner(pow2(rows), _common.TILE),
+        _grid(rows, nb),
         q.view(torch.uint8),
         scale,
         _store_view(out),
         rows,
         channels,
         nb,
+        size_class(rows, nb),
         OUT_BF16=dtype == torch.bfloat16,
-        BLOCK_R=block_r,
-        BLOCK_C=BLOCK,
-        num_warps=num_warps(block_r * BLOCK),
     )
     return out

@@ -23,12 +23,30 @@ Scale modes (``SCALE_MODE``): 0 per row, 1 per channel, 2 per (row, segment of `
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from . import _common
-from ._common import cdiv, launch, num_warps, pow2, rsum, with_sign
+from ._common import (
+    FEW_STAGES,
+    LOOP_STAGES,
+    TILE_SIZES,
+    Tuned,
+    candidates,
+    cdiv,
+    config,
+    configs,
+    launch,
+    num_warps,
+    pow2,
+    rsum,
+    size_class,
+    tile_elems,
+    with_sign,
+)
 from .int4_quant import (
     SCALE_CHANNEL,
     SCALE_ROW,
@@ -53,7 +71,7 @@ __all__ = [
 # -- device code -------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _seg_encode_kernel(
     x_ptr,
     q_ptr,
@@ -73,6 +91,7 @@ def _seg_encode_kernel(
     n_out,
     row_iters,
     nchunk,
+    tune_key,
     DIVISOR: tl.constexpr,
     ASYM: tl.constexpr,
     WRITE_Q: tl.constexpr,
@@ -237,12 +256,30 @@ def _seg_encode_kernel(
 # -- host launchers ----------------------------------------------------------------------
 
 
-def _seg_blocks(rows: int, seg: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_W, nchunk) for segments of ``seg`` channels."""
-    width = min(pow2(max(seg, 2)), _common.MAX_SEGMENT_WIDTH)
-    nchunk = cdiv(seg, width)
-    block_r = max(1, min(_common.TILE // width, pow2(rows)))
-    return block_r, width, nchunk
+def _seg_space(
+    rows_p2: int, width: int, chunked: bool, colsum: bool, tile: int, *, interpreted: bool
+) -> list[triton.Config]:
+    """[BLOCK_R, BLOCK_W] tiles; BLOCK_W is fixed by the segment (a tile holds a whole segment or
+    a chunk of the widest width), so the rows per program are tuned. Column sums (pass 1 of
+    int4_outlier) keep tile and warps: they feed the z-scores in an order that follows the
+    tile's layout, and their row blocks set the partials' shape."""
+    block_r = max(1, min(tile // width, rows_p2))
+    legacy = config(num_warps(block_r * width), BLOCK_R=block_r, BLOCK_W=width)
+    if colsum:
+        gpu = [config(legacy.num_warps, s, **legacy.kwargs) for s in LOOP_STAGES]
+    else:
+        rows = {max(1, n // width) for n in TILE_SIZES}
+        tiles = [{"BLOCK_R": r, "BLOCK_W": width} for r in sorted(rows) if r <= rows_p2]
+        gpu = candidates(tiles, tile_elems, LOOP_STAGES if chunked else FEW_STAGES)
+    return configs(legacy, gpu, interpreted=interpreted)
+
+
+_SEG_ENCODE = Tuned(
+    _seg_encode_kernel,
+    _seg_space,
+    elems=tile_elems,
+    key=["ASYM", "WRITE_Q", "COLSUM", "HAS_OUT", "WRITE_VALUES", "FIXUP", "SINGLE_CHUNK"],
+)
 
 
 def launch_seg_encode(
@@ -271,25 +308,29 @@ def launch_seg_encode(
     zeros. ``fixup``: only the segments holding the (sorted) channels of ``idx`` are processed.
     """
     rows, channels = x.shape
-    block_r, width, nchunk = _seg_blocks(rows, seg)
-    row_blocks = cdiv(rows, block_r)
-    row_iters = 1
+    width = min(pow2(max(seg, 2)), _common.MAX_SEGMENT_WIDTH)  # a segment, or its chunks
+    nchunk = cdiv(seg, width)
     colsum = None
-    if colsum_rows:
-        if nchunk != 1:
-            raise ValueError("fused column sums need segments that fit one register tile")
+    if colsum_rows and nchunk != 1:
+        raise ValueError("fused column sums need segments that fit one register tile")
+    tuner = _SEG_ENCODE.tuner(pow2(rows), width, nchunk > 1, colsum_rows > 0, _common.TILE)
+    cols = idx.numel() if fixup and idx is not None else nseg
+    row_iters = 1
+    grid: Any = lambda meta: (cdiv(rows, meta["BLOCK_R"]), cols)  # noqa: E731
+    if colsum_rows:  # BLOCK_R is the same in every config of this plan
+        row_blocks = cdiv(rows, tuner.configs[0].kwargs["BLOCK_R"])
         row_iters = cdiv(row_blocks, min(row_blocks, colsum_rows))
         row_blocks = cdiv(row_blocks, row_iters)
         colsum = torch.empty(row_blocks, channels, dtype=torch.float32, device=x.device)
+        grid = (row_blocks, cols)
     if q is not None and seg % 2:
         raise ValueError("fused packing needs an even segment (use the flat quantiser)")
     if (values is not None or fixup) and idx is None:
         raise ValueError("outlier values and the fix-up need the outlier buffer idx")
     dev = x.device
     n_out = values.shape[1] if values is not None else 0
-    grid = (row_blocks, idx.numel() if fixup and idx is not None else nseg)
     launch(
-        _seg_encode_kernel,
+        tuner,
         grid,
         x,
         q if q is not None else _dummy(dev, torch.uint8),
@@ -309,6 +350,7 @@ def launch_seg_encode(
         n_out,
         row_iters,
         nchunk,
+        size_class(rows, seg, cols),
         DIVISOR=float(divisor),
         ASYM=asym,
         WRITE_Q=q is not None,
@@ -317,10 +359,7 @@ def launch_seg_encode(
         WRITE_VALUES=values is not None,
         FIXUP=fixup,
         SINGLE_CHUNK=nchunk == 1,
-        BLOCK_R=block_r,
-        BLOCK_W=width,
         BLOCK_K=min(pow2(n_out), 64),
-        num_warps=num_warps(block_r * width),
     )
     return colsum
 

@@ -12,7 +12,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_rows_input, flagged_scale, launch, pow2, sign_set, with_sign
+from ._common import (
+    FEW_STAGES,
+    Tuned,
+    candidates,
+    cdiv,
+    check_rows_input,
+    config,
+    configs,
+    flagged_scale,
+    launch,
+    pow2,
+    sign_set,
+    size_class,
+    tile_elems,
+    with_sign,
+)
 from ._triton import check_launchable
 from .int4 import SCALE_CHANNEL, launch_colpartial, launch_quant
 from .int4_decode import launch_dequant
@@ -23,8 +38,8 @@ COLMAX_MIN_BLOCKS = 16
 COLMAX_PROGRAMS = 1024
 
 
-@triton.jit
-def _colmax_scale_kernel(part_ptr, scale_ptr, nrb, C, BLOCK_C: tl.constexpr):
+@triton.jit(do_not_specialize=["tune_key"])
+def _colmax_scale_kernel(part_ptr, scale_ptr, nrb, C, tune_key, BLOCK_C: tl.constexpr):
     """scale[c] = max over the row blocks of |part[:, c]|, divided by 8 (by 6 and flagged when
     any partial carries the non-finite flag in its sign bit)."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -42,6 +57,16 @@ def _colmax_scale_kernel(part_ptr, scale_ptr, nrb, C, BLOCK_C: tl.constexpr):
     tl.store(scale_ptr + cols, with_sign(scale, flag), mask=m)
 
 
+def _scale_space(cols_p2: int, *, interpreted: bool) -> list[triton.Config]:
+    """BLOCK_C columns per program, each looping over the row blocks (a max: any order)."""
+    legacy = config(4, BLOCK_C=min(cols_p2, 1024))
+    tiles = [{"BLOCK_C": n} for n in (256, 512, 1024) if n <= max(cols_p2, 256)]
+    return configs(legacy, candidates(tiles, tile_elems, FEW_STAGES), interpreted=interpreted)
+
+
+_COLMAX_SCALE = Tuned(_colmax_scale_kernel, _scale_space, elems=tile_elems)
+
+
 def channel_scale(x: torch.Tensor) -> torch.Tensor:
     """float32 [C] scales of x [R, C] (passes 1 and 2)."""
     _, channels = x.shape
@@ -49,15 +74,15 @@ def channel_scale(x: torch.Tensor) -> torch.Tensor:
     target = max(COLMAX_MIN_BLOCKS, cdiv(COLMAX_PROGRAMS, col_blocks))
     part = launch_colpartial(x, reduce_sum=False, target_blocks=target)
     scale = torch.empty(channels, dtype=torch.float32, device=x.device)
-    block_c = min(pow2(channels), 1024)
+    nrb = part.shape[0]
     launch(
-        _colmax_scale_kernel,
-        (cdiv(channels, block_c),),
+        _COLMAX_SCALE.tuner(pow2(channels)),
+        lambda meta: (cdiv(channels, meta["BLOCK_C"]),),
         part,
         scale,
-        part.shape[0],
+        nrb,
         channels,
-        BLOCK_C=block_c,
+        size_class(nrb, channels),
     )
     return scale
 

@@ -14,7 +14,22 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import cast_out, cdiv, int4_unmark, launch, num_warps, pow2, sign_set, store_view
+from ._common import (
+    TILE_SIZES,
+    Tuned,
+    candidates,
+    cast_out,
+    cdiv,
+    config,
+    configs,
+    int4_unmark,
+    launch,
+    num_warps,
+    pow2,
+    sign_set,
+    size_class,
+    store_view,
+)
 from .int4_quant import SCALE_SEGMENT, _dummy, _load_params
 
 
@@ -55,7 +70,7 @@ def _dequant_value(
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _dequant2d_kernel(
     q_ptr,
     scale_ptr,
@@ -68,6 +83,7 @@ def _dequant2d_kernel(
     CP,
     NSEG,
     n_out,
+    tune_key,
     SCALE_MODE: tl.constexpr,
     SEG: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
@@ -107,7 +123,7 @@ def _dequant2d_kernel(
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], y, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _dequant_flat_kernel(
     q_ptr,
     scale_ptr,
@@ -121,6 +137,7 @@ def _dequant_flat_kernel(
     NSEG,
     n_out,
     n_elems,
+    tune_key,
     SCALE_MODE: tl.constexpr,
     SEG: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
@@ -159,6 +176,39 @@ def _dequant_flat_kernel(
 
 
 # -- host launcher ------------------------------------------------------------
+
+
+def _codes(c: triton.Config) -> int:
+    return 2 * c.kwargs["BLOCK_R"] * c.kwargs["BLOCK_H"]
+
+
+def _space2d(rows_p2: int, half_p2: int, tile: int, *, interpreted: bool) -> list[triton.Config]:
+    """[BLOCK_R, BLOCK_H] tiles of bytes (2 codes each), at most the payload's extent."""
+    block_h = min(half_p2, 512)
+    block_r = max(1, min(tile // (2 * block_h), rows_p2))
+    legacy = config(num_warps(2 * block_r * block_h), BLOCK_R=block_r, BLOCK_H=block_h)
+    tiles = [
+        {"BLOCK_R": n // (2 * h), "BLOCK_H": h}
+        for h in dict.fromkeys((block_h, min(block_h, 128)))
+        for n in TILE_SIZES
+        if 2 * h <= n and n // (2 * h) <= rows_p2
+    ]
+    return configs(legacy, candidates(tiles, _codes), interpreted=interpreted)
+
+
+def _space_flat(elems_p2: int, tile: int, *, interpreted: bool) -> list[triton.Config]:
+    """BLOCK output elements per program, no more than the output holds."""
+    block = min(elems_p2, tile)
+    legacy = config(num_warps(block), BLOCK=block)
+    tiles = [{"BLOCK": n} for n in TILE_SIZES if n <= elems_p2]
+    return configs(legacy, candidates(tiles, lambda c: c.kwargs["BLOCK"]), interpreted=interpreted)
+
+
+_KEY = ["SCALE_MODE", "HAS_OFFSET", "HAS_OUT", "OUT_BF16"]
+_DEQUANT2D = Tuned(_dequant2d_kernel, _space2d, elems=_codes, key=_KEY)
+_DEQUANT_FLAT = Tuned(
+    _dequant_flat_kernel, _space_flat, elems=lambda c: c.kwargs["BLOCK"], key=_KEY
+)
 
 
 def launch_dequant(
@@ -204,29 +254,23 @@ def launch_dequant(
         "OUT_BF16": dtype == torch.bfloat16,
     }
     if cp % 2 == 0:
-        block_h = min(pow2(cp // 2), 512)
-        block_r = max(1, min(_common.TILE // (2 * block_h), pow2(rows)))
-        grid = (cdiv(rows, block_r), cdiv(cp // 2, block_h))
         launch(
-            _dequant2d_kernel,
-            grid,
+            _DEQUANT2D.tuner(pow2(rows), pow2(cp // 2), _common.TILE),
+            lambda meta: (cdiv(rows, meta["BLOCK_R"]), cdiv(cp // 2, meta["BLOCK_H"])),
             q,
             *common,
+            size_class(rows, cp),
             **flags,
-            BLOCK_R=block_r,
-            BLOCK_H=block_h,
-            num_warps=num_warps(2 * block_r * block_h),
         )
     else:
-        block = min(pow2(rows * channels), _common.TILE)
+        n = rows * channels
         launch(
-            _dequant_flat_kernel,
-            (cdiv(rows * channels, block),),
+            _DEQUANT_FLAT.tuner(pow2(n), _common.TILE),
+            lambda meta: (cdiv(n, meta["BLOCK"]),),
             q,
             *common,
-            rows * channels,
+            n,
+            size_class(n),
             **flags,
-            BLOCK=block,
-            num_warps=num_warps(block),
         )
     return out

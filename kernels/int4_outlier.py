@@ -32,7 +32,20 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import cdiv, check_rows_input, group_layout, launch, pow2, rmax
+from ._common import (
+    FEW_STAGES,
+    Tuned,
+    candidates,
+    cdiv,
+    check_rows_input,
+    config,
+    configs,
+    group_layout,
+    launch,
+    pow2,
+    rmax,
+    size_class,
+)
 from ._triton import check_launchable
 from .int4 import SCALE_ROW, SCALE_SEGMENT, encode_segments, launch_colpartial, launch_seg_encode
 from .int4_decode import launch_dequant
@@ -45,8 +58,8 @@ COLSUM_MIN_BLOCKS = 8
 COLSUM_PROGRAMS = 1024
 
 
-@triton.jit
-def _slot_kernel(idx_ptr, slot_ptr, C, n, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["tune_key"])
+def _slot_kernel(idx_ptr, slot_ptr, C, n, tune_key, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
     """slot[c] = j where idx[j] == c, else -1 (idx: n distinct channels)."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     slot = tl.full([BLOCK_C], -1, dtype=tl.int32)
@@ -58,19 +71,31 @@ def _slot_kernel(idx_ptr, slot_ptr, C, n, BLOCK_C: tl.constexpr, BLOCK_N: tl.con
     tl.store(slot_ptr + cols, slot.to(slot_ptr.dtype.element_ty), mask=cols < C)
 
 
+def _slot_space(cols_p2: int, *, interpreted: bool) -> list[triton.Config]:
+    """BLOCK_C channels per program, each comparing them with BLOCK_N (16) slots at a time."""
+    legacy = config(4, BLOCK_C=min(cols_p2, 256), BLOCK_N=16)
+    tiles = [{"BLOCK_C": n, "BLOCK_N": 16} for n in (64, 128, 256, 512) if n <= max(cols_p2, 64)]
+    return configs(legacy, candidates(tiles, _compares, FEW_STAGES), interpreted=interpreted)
+
+
+def _compares(c: triton.Config) -> int:
+    return c.kwargs["BLOCK_C"] * c.kwargs["BLOCK_N"]
+
+
+_SLOT = Tuned(_slot_kernel, _slot_space, elems=_compares)
+
+
 def launch_slot(idx: torch.Tensor, channels: int) -> torch.Tensor:
     """Channel -> position in ``idx`` map (-1 for regular channels), in :func:`slot_dtype`."""
     slot = torch.empty(channels, dtype=slot_dtype(idx.numel()), device=idx.device)
-    block_c = min(pow2(channels), 256)
     launch(
-        _slot_kernel,
-        (cdiv(channels, block_c),),
+        _SLOT.tuner(pow2(channels)),
+        lambda meta: (cdiv(channels, meta["BLOCK_C"]),),
         idx,
         slot,
         channels,
         idx.numel(),
-        BLOCK_C=block_c,
-        BLOCK_N=16,
+        size_class(channels, idx.numel()),
     )
     return slot
 

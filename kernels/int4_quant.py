@@ -21,7 +21,14 @@ import triton.language as tl
 
 from . import _common
 from ._common import (
+    FEW_STAGES,
+    LOOP_STAGES,
+    TILE_SIZES,
+    Tuned,
+    candidates,
     cdiv,
+    config,
+    configs,
     is_finite,
     launch,
     num_warps,
@@ -30,13 +37,15 @@ from ._common import (
     quantize_robust,
     rmax,
     rsum,
+    size_class,
+    tile_elems,
     with_sign,
 )
 
 SCALE_ROW, SCALE_CHANNEL, SCALE_SEGMENT = 0, 1, 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _colpartial_kernel(
     x_ptr,
     part_ptr,
@@ -46,6 +55,7 @@ def _colpartial_kernel(
     sxr,
     sxc,
     row_iters,
+    tune_key,
     SUM: tl.constexpr,
     ZERO_COUNTER: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -107,7 +117,7 @@ def _load_params(
     return scale, offset
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _quant2d_kernel(
     x_ptr,
     q_ptr,
@@ -118,6 +128,7 @@ def _quant2d_kernel(
     sxr,
     sxc,
     NSEG,
+    tune_key,
     SCALE_MODE: tl.constexpr,
     SEG: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
@@ -146,7 +157,7 @@ def _quant2d_kernel(
     tl.store(q_ptr + offs, pack_nibbles(q_even, q_odd), mask=rmask[:, None] & (2 * h < C)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _quant_flat_kernel(
     x_ptr,
     q_ptr,
@@ -161,6 +172,7 @@ def _quant_flat_kernel(
     NSEG,
     n_codes,
     n_bytes,
+    tune_key,
     SCALE_MODE: tl.constexpr,
     SEG: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
@@ -203,22 +215,81 @@ def _dummy(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tens
     return _dummy_cached(device, dtype)
 
 
+def _colpartial_space(
+    rows_p2: int, cols_p2: int, reduce_sum: bool, tile: int, *, interpreted: bool
+) -> list[triton.Config]:
+    """[BLOCK_R, BLOCK_C] tiles. BLOCK_R stays the heuristic's (it sets the row blocks, so the
+    partials' shape). Sums (they feed the outlier z-scores) keep the whole tile and warps too:
+    a float sum's order follows the tile's layout, so only the pipelining depth is tuned; maxima
+    are exact in any order, so their column width and warps are tuned."""
+    block_c = min(cols_p2, 128)
+    block_r = max(1, min(tile // block_c, rows_p2))
+    legacy = config(num_warps(block_r * block_c), BLOCK_R=block_r, BLOCK_C=block_c)
+    if reduce_sum:
+        gpu = [config(legacy.num_warps, s, **legacy.kwargs) for s in LOOP_STAGES]
+    else:
+        tiles = [{"BLOCK_R": block_r, "BLOCK_C": c} for c in (32, 64, 128, 256) if c <= cols_p2]
+        gpu = candidates(tiles, tile_elems, FEW_STAGES)
+    return configs(legacy, gpu, interpreted=interpreted)
+
+
+def _quant2d_space(
+    rows_p2: int, cols_p2: int, tile: int, *, interpreted: bool
+) -> list[triton.Config]:
+    """[BLOCK_R, BLOCK_W] tiles of whole bytes (BLOCK_W even), at most the input's extent."""
+    width = min(cols_p2, 1024)
+    block_r = max(1, min(tile // width, rows_p2))
+    legacy = config(num_warps(block_r * width), BLOCK_R=block_r, BLOCK_W=width)
+    tiles = [
+        {"BLOCK_R": n // w, "BLOCK_W": w}
+        for w in dict.fromkeys((width, min(width, 256)))
+        for n in TILE_SIZES
+        if w <= n and n // w <= rows_p2
+    ]
+    return configs(legacy, candidates(tiles, tile_elems), interpreted=interpreted)
+
+
+def _codes(c: triton.Config) -> int:
+    return 2 * c.kwargs["BLOCK"]
+
+
+def _flat_space(bytes_p2: int, tile: int, *, interpreted: bool) -> list[triton.Config]:
+    """BLOCK bytes (2 codes each) per program, no more than the payload holds."""
+    block = min(bytes_p2, tile // 2)
+    legacy = config(num_warps(2 * block), BLOCK=block)
+    tiles = [{"BLOCK": n // 2} for n in TILE_SIZES if n // 2 <= bytes_p2]
+    return configs(legacy, candidates(tiles, _codes), interpreted=interpreted)
+
+
+_COLPARTIAL = Tuned(
+    _colpartial_kernel, _colpartial_space, elems=tile_elems, key=["SUM", "ZERO_COUNTER"]
+)
+_QUANT2D = Tuned(
+    _quant2d_kernel, _quant2d_space, elems=tile_elems, key=["SCALE_MODE", "HAS_OFFSET"]
+)
+_QUANT_FLAT = Tuned(
+    _quant_flat_kernel,
+    _flat_space,
+    elems=_codes,
+    key=["SCALE_MODE", "HAS_OFFSET", "HAS_OUT"],
+)
+
+
 def launch_colpartial(
     x: torch.Tensor, *, reduce_sum: bool, target_blocks: int, counter: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per-row-block column |x| sums or maxima [nrb, C] with about ``target_blocks`` blocks
     (``counter``, if given, is zeroed on the way)."""
     rows, channels = x.shape
-    block_c = min(pow2(channels), 128)
-    block_r = max(1, min(_common.TILE // block_c, pow2(rows)))
+    tuner = _COLPARTIAL.tuner(pow2(rows), pow2(channels), reduce_sum, _common.TILE)
+    block_r = tuner.configs[0].kwargs["BLOCK_R"]  # the same in every config of the plan
     row_blocks = cdiv(rows, block_r)
     row_iters = cdiv(row_blocks, min(row_blocks, target_blocks))
     row_blocks = cdiv(row_blocks, row_iters)
     part = torch.empty(row_blocks, channels, dtype=torch.float32, device=x.device)
-    grid = (row_blocks, cdiv(channels, block_c))
     launch(
-        _colpartial_kernel,
-        grid,
+        tuner,
+        lambda meta: (row_blocks, cdiv(channels, meta["BLOCK_C"])),
         x,
         part,
         counter if counter is not None else _dummy(x.device),
@@ -227,11 +298,9 @@ def launch_colpartial(
         x.stride(0),
         x.stride(1),
         row_iters,
+        size_class(rows, channels),
         SUM=reduce_sum,
         ZERO_COUNTER=counter is not None,
-        BLOCK_R=block_r,
-        BLOCK_C=block_c,
-        num_warps=num_warps(block_r * block_c),
     )
     return part
 
@@ -251,39 +320,34 @@ def launch_quant(
     rows, channels = x.shape
     dev = x.device
     nseg = cp // seg if mode == SCALE_SEGMENT else 1
+    offset_arg = offset if offset is not None else _dummy(dev, torch.float32)
     if cp == channels and channels % 2 == 0 and slot is None:
-        width = min(pow2(channels), 1024)
-        block_r = max(1, min(_common.TILE // width, pow2(rows)))
-        grid = (cdiv(rows, block_r), cdiv(channels, width))
         launch(
-            _quant2d_kernel,
-            grid,
+            _QUANT2D.tuner(pow2(rows), pow2(channels), _common.TILE),
+            lambda meta: (cdiv(rows, meta["BLOCK_R"]), cdiv(channels, meta["BLOCK_W"])),
             x,
             q,
             scale,
-            offset if offset is not None else _dummy(dev, torch.float32),
+            offset_arg,
             rows,
             channels,
             x.stride(0),
             x.stride(1),
             nseg,
+            size_class(rows, channels),
             SCALE_MODE=mode,
             SEG=seg,
             HAS_OFFSET=offset is not None,
-            BLOCK_R=block_r,
-            BLOCK_W=width,
-            num_warps=num_warps(block_r * width),
         )
         return
     n_bytes = q.numel()
-    block = min(pow2(n_bytes), _common.TILE // 2)
     launch(
-        _quant_flat_kernel,
-        (cdiv(n_bytes, block),),
+        _QUANT_FLAT.tuner(pow2(n_bytes), _common.TILE),
+        lambda meta: (cdiv(n_bytes, meta["BLOCK"]),),
         x,
         q,
         scale,
-        offset if offset is not None else _dummy(dev, torch.float32),
+        offset_arg,
         slot if slot is not None else _dummy(dev),
         rows,
         channels,
@@ -293,10 +357,9 @@ def launch_quant(
         nseg,
         rows * cp,
         n_bytes,
+        size_class(n_bytes),
         SCALE_MODE=mode,
         SEG=seg,
         HAS_OFFSET=offset is not None,
         HAS_OUT=slot is not None,
-        BLOCK=block,
-        num_warps=num_warps(2 * block),
     )

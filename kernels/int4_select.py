@@ -21,7 +21,9 @@ than ``torch.sum`` (documented in :mod:`.int4_outlier`).
 
 On GPUs the hand-over relies on the counter's acquire-release atomic (CTA barrier before it,
 loads of the other programs' results bypass L1); programs never wait on each other, so the
-interpreter (which runs programs one after another) executes the same code.
+interpreter (which runs programs one after another) executes the same code. Autotuning varies
+only the pipelining depth (``BLOCK_C``, ``BLOCK_P`` and the warps fix the float sums' order) and
+resets the counter before each of the tuner's runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, cumsum, launch, pow2, rsum
+from ._common import (
+    LOOP_STAGES,
+    Tuned,
+    cdiv,
+    config,
+    configs,
+    cumsum,
+    launch,
+    pow2,
+    rsum,
+    size_class,
+)
 
 INT32_MIN = tl.constexpr(-2147483648)
 KEY_ABOVE_INF = tl.constexpr(0x7F800001)  # key(+inf) + 1: no key reaches it
@@ -140,7 +153,7 @@ def _finish(
         tl.store(idx_ptr + j, tl.full([BLOCK_C], -1, dtype=tl.int32), mask=unused)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_key"])
 def _select_kernel(
     part_ptr,
     s_ptr,
@@ -156,6 +169,7 @@ def _select_kernel(
     threshold,
     capacity,
     nprog,
+    tune_key,
     BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
@@ -197,6 +211,25 @@ def _select_kernel(
 SELECT_BLOCK = 1024
 
 
+def _space(block_c: int, nprog_p2: int, *, interpreted: bool) -> list[triton.Config]:
+    """Only the pipelining depth is tuned: the tile and warps fix the order of the float sums
+    behind the z-scores (results must not depend on the config), BLOCK_C the programs (and so
+    the workspace's size)."""
+    legacy = config(8 if block_c >= 1024 else 4, BLOCK_C=block_c, BLOCK_P=min(nprog_p2, 256))
+    gpu = [config(legacy.num_warps, s, **legacy.kwargs) for s in LOOP_STAGES]
+    return configs(legacy, gpu, interpreted=interpreted)
+
+
+# The tuner reruns the kernel: each run must start with the counter at zero (pass 1 zeroes it
+# once per encode), or no program would take the last ticket and finish.
+_SELECT = Tuned(
+    _select_kernel,
+    _space,
+    elems=lambda c: c.kwargs["BLOCK_C"],
+    reset_to_zero=["counter_ptr"],
+)
+
+
 def workspace(channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 workspace of :func:`launch_select`, its counter: the last element, to be zeroed
     by the pass that writes the column sums)."""
@@ -223,7 +256,7 @@ def launch_select(
     count = torch.empty((), dtype=torch.int32, device=dev)
     slot = torch.empty(channels, dtype=slot_dtype, device=dev)
     launch(
-        _select_kernel,
+        _SELECT.tuner(block_c, pow2(nprog)),
         (nprog,),
         part,
         ws[:channels].view(torch.float32),
@@ -239,8 +272,6 @@ def launch_select(
         float(threshold),
         capacity,
         nprog,
-        BLOCK_C=block_c,
-        BLOCK_P=min(pow2(nprog), 256),
-        num_warps=8 if block_c >= 1024 else 4,
+        size_class(nrb, channels),
     )
     return idx, count, slot
