@@ -229,14 +229,19 @@ def test_auto_head_fits_a_budget_only_the_chunked_head_fits_and_the_step_measure
     assert peak.peak_nbytes <= budget, (peak.peak_nbytes, budget)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("action", ["retain", "recompute"])
-def test_the_step_peak_with_the_chunked_head_is_predicted_within_5_percent(action):
+def test_the_step_peak_with_the_chunked_head_is_predicted_within_half_a_percent(action, dtype):
     """The chunked head holds no logits after forward, so its backward rises from a level without
     them (a model that counted the model's own logits there over-predicted SmolLM2 at 16k tokens
-    on a GPU by 2x, at 4k on a CPU by 15 %); against the step measured."""
+    on a GPU by 2x, at 4k on a CPU by 15 %); and its forward peaks without the model's own
+    logits, which the model's forward keeps alive through the loss (a 16-bit model's logits beside
+    their fp32 upcast: measuring the model's head without them over-predicted this step in bf16
+    by 5 %, SmolLM2 at 16k tokens by 22 %); against the step measured (to the byte under full
+    recomputation)."""
     model = assets.tiny_model(
         "llama", vocab_size=16000, hidden_size=32, intermediate_size=64, num_hidden_layers=2
-    )
+    ).to(dtype)
     batch = assets.tiny_batch("llama", model, batch_size=2, seq_len=128)
     prof = profile_model(model, batch, repeats=1)
     static = estimate_static_memory(model, optimizer="sgd")
@@ -246,7 +251,8 @@ def test_the_step_peak_with_the_chunked_head_is_predicted_within_5_percent(actio
     handle = apply_adacc(model, policy)
     peak = measure_step_peak(model, batch, torch.optim.SGD(model.parameters(), lr=0.0))
     handle.remove()
-    assert abs(pred.peak_nbytes - peak.peak_nbytes) <= 0.05 * peak.peak_nbytes, (
+    slack = 0 if action == "recompute" else 0.005 * peak.peak_nbytes
+    assert abs(pred.peak_nbytes - peak.peak_nbytes) <= slack, (
         pred.moment, pred.peak_nbytes, peak.peak_nbytes, peak.phases
     )  # fmt: skip
 

@@ -52,7 +52,10 @@ def head_losses(
     base: nn.Module, head: nn.Linear, labels: torch.Tensor, chunk_rows: int
 ) -> dict[str, Callable]:
     def full(x: torch.Tensor) -> torch.Tensor:
-        return base.loss_function(head(x), labels[:, : x.shape[1]], head.out_features)
+        # the logits stay alive through the loss, as the model's forward keeps them (it returns
+        # them): the timeline's loss peak has them beside the loss's own upcast and log-probs
+        logits = head(x)
+        return base.loss_function(logits, labels[:, : x.shape[1]], head.out_features)
 
     def chunked(x: torch.Tensor) -> torch.Tensor:  # the whole batch's chunks on any slice
         return chunked_causal_lm_loss(head, x, labels[:, : x.shape[1]], chunk_rows=chunk_rows)
