@@ -59,10 +59,10 @@ def _dtype_tol(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # -- registry / params -------------------------------------------------------------------
 
 
-def test_available_codecs_lists_all_six():
-    assert available_codecs() == sorted(
-        ["int4_outlier", "int4_channel", "int4_asym", "bitpack", "int4_naive", "fp8_e4m3"]
-    )
+def test_available_codecs_lists_the_papers_and_the_libraries_formats():
+    own = ["int4_outlier", "int4_channel", "int4_asym", "bitpack", "int4_naive", "fp8_e4m3"]
+    libraries = ["nf4", "fp4", "int8_blockwise", "mxfp8", "mxfp4", "fp8_rowwise"]
+    assert available_codecs() == sorted(own + libraries)
     for name in available_codecs():
         codec = get_codec(name)
         assert isinstance(codec, Codec) and codec.name == name

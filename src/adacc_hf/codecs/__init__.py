@@ -3,16 +3,31 @@
 ``get_codec(name, **params)`` builds a :class:`Codec`; ``codec.encode(x)`` returns an
 :class:`Encoded` payload and ``codec.decode(enc)`` restores shape, dtype and device.
 Codecs: ``int4_outlier``, ``int4_channel``, ``int4_asym``, ``int4_naive`` (lossy INT4),
-``fp8_e4m3`` (lossy FP8) and ``bitpack`` (lossless dropout masks). Layouts are documented in
-:mod:`.base` and per codec. Each codec runs on one of its backends (:mod:`.backends`: the torch
-reference, the reference compiled by inductor, the Triton kernels of ``adacc_kernels``, a
-library's kernels), all bit-identical; by default the Triton kernels on CUDA tensors when triton
-is installed (:mod:`.dispatch`; ``ADACC_KERNELS``), the reference elsewhere.
+``fp8_e4m3`` (lossy FP8), ``bitpack`` (lossless dropout masks), and formats that are a
+library's, with that library as a backend: ``nf4``, ``fp4``, ``int8_blockwise`` (bitsandbytes,
+:mod:`.bnb`), ``mxfp8``, ``mxfp4`` (torchao's MX, :mod:`.mx`) and ``fp8_rowwise``
+(torchao.float8, :mod:`.fp8_rowwise`), chosen with ``codecs=[...]`` (not by default). Layouts
+are documented in :mod:`.base` and per codec. Each codec runs on one of its backends
+(:mod:`.backends`: the torch reference, the reference compiled by inductor, the Triton kernels of
+``adacc_kernels``, a library's kernels), all bit-identical; by default the Triton kernels on CUDA
+tensors when triton is installed (:mod:`.dispatch`; ``ADACC_KERNELS``), the reference elsewhere.
 """
 
 from __future__ import annotations
 
-from . import backends, bitpack, fp8, int4_asym, int4_channel, int4_naive, int4_outlier  # noqa: F401
+from . import (  # noqa: F401
+    backends,
+    bitpack,
+    bnb,
+    bnb_backend,
+    fp8,
+    fp8_rowwise,
+    int4_asym,
+    int4_channel,
+    int4_naive,
+    int4_outlier,
+    mx,
+)
 from .base import (
     Codec,
     CodecError,
