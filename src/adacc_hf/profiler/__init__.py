@@ -28,6 +28,7 @@ from ..adapters import get_adapter, unwrap_model
 from ..runtime.checkpoint import frame_nbytes
 from ..runtime.context import autocast_context, devices_of
 from ..runtime.peak import batch_nbytes
+from ..runtime.timing import modelled_device
 from ..runtime.trace import run_representatives
 from ..schema import GroupProfile, Profile
 from ..verbosity import progress
@@ -209,6 +210,8 @@ def _profile_model(
     dev_name = str(device)
     if device.type == "cuda":
         dev_name += f" ({torch.cuda.get_device_name(device)})"
+    if modelled_device() is not None:  # a dry run priced as a GPU it models (`devices`)
+        dev_name = f"cuda ({modelled_device().label}, modelled)"
     profile = Profile(
         model_type=base.config.model_type,
         adapter=adapter.name,
@@ -250,7 +253,7 @@ def _profile_model(
             phase("compiled"),
         ):
             measure_compiled(profile, base, batch, autocast, compile, probes, (groups, specs), room)
-    if probes:
+    if probes and modelled_device() is None:  # a dry run has no values to measure errors on
         bar.set_description("adacc profiling: gradient errors")
         with torch.random.fork_rng(devices=devices_of(base)), phase("grad_errors"):
             measure_grad_errors(profile, probes, autocast)

@@ -35,7 +35,7 @@ from ..runtime.checkpoint import BlockRuntime
 from ..runtime.context import autocast_context, detached_input
 from ..runtime.offload import HostStore
 from ..runtime.overhead import dispatch_overhead_ms
-from ..runtime.timing import sync, work_clock
+from ..runtime.timing import modelled_clock, sync, work_clock
 from ..schema import Action, GroupPolicy, OpProfile, OpSpec, Variant
 
 #: Scales outside this range are noise (e.g. a block of microseconds), not a measurement, unless
@@ -198,6 +198,8 @@ def interleaved_ms(
     the generator state restored afterwards. Given the `differences` the caller reads (pairs of
     names), it stops after `SETTLED_ROUNDS` rounds where each of them has `settled`."""
     times: dict[str, list[float]] = {n: [] for n in runtimes}
+    if modelled_clock() is not None:  # a modelled device's clock gives the same every round
+        rounds = 1
     cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     names = list(runtimes)
     with torch.random.fork_rng(devices=cuda):

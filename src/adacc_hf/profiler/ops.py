@@ -23,7 +23,7 @@ from ..runtime.kept import generator_state_nbytes
 from ..runtime.ops import cache_target, storage_id, tensor_outputs
 from ..runtime.overhead import dispatch_overhead_ms
 from ..runtime.peak import AllocationTracker
-from ..runtime.timing import elapsed_ms, sync, time_call, timer_for, work_clock
+from ..runtime.timing import elapsed_ms, modelled_device, sync, time_call, timer_for, work_clock
 from ..runtime.trace import record_block
 from ..schema import (
     CodecProfile,
@@ -47,6 +47,12 @@ def candidate_codecs(
     """The codecs to profile on an op (`schema.codec_candidates`), built with their `params`."""
     params = params or {}
     return [get_codec(n, **dict(params.get(n, {}))) for n in codec_candidates(op, allowed)]
+
+
+def _masked(x: torch.Tensor) -> bool:
+    """Whether `x` holds mask sentinels (`codecs.has_sentinels`; a modelled device's dry run has
+    no values to read: never)."""
+    return modelled_device() is None and has_sentinels(x)
 
 
 def timed_backends(
@@ -79,6 +85,9 @@ def profile_codec(
     if not codec.applicable(x):
         return None
     x = x.detach()
+    modelled = modelled_device()
+    if modelled is not None:
+        return modelled_codec(codec, x, modelled, backends_allowed)
     clock = work_clock(device)
     names = timed_backends(codec, device, backends_allowed)
     times: dict[str, list[float]] = {}
@@ -120,6 +129,36 @@ def profile_codec(
         decode_workspace_nbytes=max(0, decode_ws),
         backend=best if len(times) > 1 else "",
         backend_ms=times if len(times) > 1 else {},
+    )
+
+
+def modelled_codec(
+    codec: Codec, x: torch.Tensor, modelled: Any, allowed: Iterable[str] | None = None
+) -> CodecProfile | None:
+    """`codec` on an op of `x`'s shape on a modelled device (`runtime.timing.modelled`): its
+    exact payload size, the fastest of the backends the device's table prices (None: it prices
+    none), no workspace beyond the payload (a kernel's), and errors unknown (0: `x` holds no
+    values; the run measures them)."""
+    nbytes = codec.predict_nbytes(x.shape, x.dtype)
+    in_nbytes = x.numel() * x.element_size()
+    times = {}
+    for b in modelled.codec_backends(codec.name):
+        if allowed is None or b in allowed or b == "modelled":
+            got = modelled.codec_ms(codec.name, b, in_nbytes, nbytes)
+            if got is not None:
+                times[b] = list(got)
+    if not times:
+        return None
+    best = min(times, key=lambda n: sum(times[n]))
+    return CodecProfile(
+        codec=codec.name,
+        params=codec.params(),
+        nbytes=nbytes,
+        encode_ms=times[best][0],
+        decode_ms=times[best][1],
+        rel_error=0.0,
+        backend="" if best == "modelled" else best,
+        backend_ms=times,
     )
 
 
@@ -168,7 +207,7 @@ def scaled(ops: list[OpSpec], outputs: list, outs: set[int], ref: GroupProfile) 
             ),
         )
         dtype = dtype_named(op.dtype)
-        masked = bool(tensors) and has_sentinels(cache_target(op.mask, raw))
+        masked = bool(tensors) and _masked(cache_target(op.mask, raw))
         for name, cp in {} if masked else r.codecs.items():
             codec = get_codec(name, **cp.params)
             prof.codecs[name] = CodecProfile(
@@ -270,7 +309,7 @@ def op_visitor(
             # Masked outputs (attention scores with -inf / finfo.min) stay exact: a lossy codec
             # would scale to the sentinels and ruin what the mask leaves visible.
             target = cache_target(op.mask, raw) if tensors else None
-            if op.cacheable and target is not None and not has_sentinels(target):
+            if op.cacheable and target is not None and not _masked(target):
                 with phase("codecs"):
                     for codec in candidate_codecs(op, allowed, codec_params):
                         cp = profile_codec(codec, target, device, backends_allowed=codec_backends)

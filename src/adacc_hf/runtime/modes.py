@@ -75,6 +75,29 @@ class _Run:
             )
 
 
+_entered = [0]  # runtime modes entered now: every op issued meanwhile crosses them
+
+
+def crossings() -> int:
+    """How many of the runtime's dispatch modes an op issued now crosses (a modelled device
+    charges each crossing's host time: `devices.roofline`)."""
+    return _entered[0]
+
+
+class _InHandler:
+    """Around the runtime's own work inside a mode's handler (keeping or handing back an
+    output): the ops it issues do not cross the mode, which is off while its handler runs."""
+
+    def __enter__(self) -> None:
+        _entered[0] -= 1
+
+    def __exit__(self, *exc: object) -> None:
+        _entered[0] += 1
+
+
+_IN_HANDLER = _InHandler()
+
+
 class _FastMode(TorchDispatchMode):
     """A dispatch mode without torch's per-op ``_disable_dynamo`` wrapper (``set_eval_frame``
     twice per op, about half the crossing's cost). Safe here: under torch.compile blocks run
@@ -83,6 +106,14 @@ class _FastMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+    def __enter__(self):
+        _entered[0] += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _entered[0] -= 1
+        return super().__exit__(*exc)
 
 
 class _KeepMode(_FastMode):
@@ -153,7 +184,8 @@ class _KeepMode(_FastMode):
         return out
 
     def _store(self, pos: int, slot: Slot, out: Any, rng: list) -> None:
-        e = keep(self.run.rt, slot, out)
+        with _IN_HANDLER:
+            e = keep(self.run.rt, slot, out)
         e.rng = rng
         if self.tracker is not None:
             self.tracker.observe(self.run.rt.group, slot.key, out, e.enc[0] if e.enc else None)
@@ -254,7 +286,8 @@ class _ReplayMode(_FastMode):
                 e = self.run.store.pop(pos, None)
                 if e is not None:
                     if e.slot.func is func:
-                        out = unpack(self.run.rt, e, args)
+                        with _IN_HANDLER:
+                            out = unpack(self.run.rt, e, args)
                         if e.slot.fill and e.rng:
                             self.skip[out.data_ptr()] = list(e.rng)
                         return out

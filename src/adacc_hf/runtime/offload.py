@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..schema import OffloadLink
-from .timing import sync, time_call, work_clock
+from .timing import modelled_device, sync, time_call, work_clock
 
 logger = logging.getLogger("adacc_hf")
 
@@ -311,8 +311,12 @@ def measure_link(
 ) -> OffloadLink:
     """The link `HostStore` copies cross on `device`, measured: median times of `nbytes` copied
     each way between a device tensor and a host buffer of the pool's kind (pinned on CUDA, on a
-    side stream; the stand-in's off CUDA, in line), and of a tiny copy (each copy's launch)."""
+    side stream; the stand-in's off CUDA, in line), and of a tiny copy (each copy's launch).
+    On a modelled device (`timing.modelled`), the link its table measured."""
     device = torch.device(device)
+    modelled = modelled_device()
+    if modelled is not None:
+        return modelled.link(int(host_cap_nbytes))
     store = HostStore(device, cap_nbytes=2 * nbytes + 2 * _ALIGN)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = store.pool.take(nbytes)
