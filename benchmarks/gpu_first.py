@@ -32,7 +32,6 @@ import argparse
 import os
 import platform
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.harness import first
-    from benchmarks.harness.env import Deadline, device_tag, header
+    from benchmarks.harness.env import device_tag, header
     from benchmarks.harness.report import write_json
+    from benchmarks.harness.sections import run_sections
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -129,60 +129,49 @@ def main(argv: list[str] | None = None) -> int:
     json_path = results / f"first-{tag}.json"
     cfg = settings(args.smoke)
     out: dict[str, Any] = header("gpu-first", argv, device)
-    out.update(smoke=args.smoke, time_limit_s=args.time_limit, shares_s=SHARES_S, sections={})
-    deadline = Deadline(args.time_limit)
+    out.update(smoke=args.smoke, time_limit_s=args.time_limit, shares_s=SHARES_S)
     dtype = torch.bfloat16 if cuda else torch.float32
-    spent = 0.0
-    for name in args.sections:
-        spent += SHARES_S[name] * args.time_limit / TIME_LIMIT_S
-        share = Deadline(max(0.0, spent - deadline.elapsed()))
-        print(f"== {name} ({deadline}; until {spent:.0f} s)", flush=True)
-        try:
-            if name == "env":
-                res = environment(device)
-            elif name == "tests":
-                log = results / f"first-tests-{tag}.log"
-                res = first.run_tests(
-                    cfg["tests"],
-                    device=device.type,
-                    limit_s=max(30.0, share.limit or 0),
-                    log=log,
-                    extra=cfg["test_args"],
-                )
-            elif name == "codecs":
-                res = first.codec_bandwidth(
-                    CODECS, cfg["codec_sizes_mb"], device, deadline=share, **cfg["codec_kw"]
-                )
-            elif name == "peaks":
-                spec, bs, fractions = cfg["peaks"]
-                res = first.step_peaks(
-                    spec, bs, fractions, device, dtype, deadline=share, repeats=cfg["repeats"]
-                )
-            elif name == "session":
-                from benchmarks.harness.first_session import session_run
 
-                spec, bs, lengths, fraction = cfg["session"]
-                res = session_run(spec, bs, lengths, fraction, device, dtype)
-            else:
-                spec, bs, fraction = cfg["throughput"]
-                res = first.throughput(
-                    spec,
-                    bs,
-                    fraction,
-                    device,
-                    dtype,
-                    deadline=share,
-                    rounds=cfg["rounds"],
-                    steps=cfg["steps"],
-                    repeats=cfg["repeats"],
-                )
-        except Exception as e:  # recorded; the next section still runs
-            traceback.print_exc()
-            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            if cuda:
-                torch.cuda.empty_cache()
-        res["seconds_at_end"] = deadline.elapsed()
-        out["sections"][name] = res
+    def run(name: str, share) -> dict[str, Any]:
+        if name == "env":
+            return environment(device)
+        if name == "tests":
+            log = results / f"first-tests-{tag}.log"
+            return first.run_tests(
+                cfg["tests"],
+                device=device.type,
+                limit_s=max(30.0, share.limit or 0),
+                log=log,
+                extra=cfg["test_args"],
+            )
+        if name == "codecs":
+            return first.codec_bandwidth(
+                CODECS, cfg["codec_sizes_mb"], device, deadline=share, **cfg["codec_kw"]
+            )
+        if name == "peaks":
+            spec, bs, fractions = cfg["peaks"]
+            return first.step_peaks(
+                spec, bs, fractions, device, dtype, deadline=share, repeats=cfg["repeats"]
+            )
+        if name == "session":
+            from benchmarks.harness.first_session import session_run
+
+            spec, bs, lengths, fraction = cfg["session"]
+            return session_run(spec, bs, lengths, fraction, device, dtype)
+        spec, bs, fraction = cfg["throughput"]
+        return first.throughput(
+            spec,
+            bs,
+            fraction,
+            device,
+            dtype,
+            deadline=share,
+            rounds=cfg["rounds"],
+            steps=cfg["steps"],
+            repeats=cfg["repeats"],
+        )
+
+    def after(name: str, res: dict[str, Any]) -> None:
         if name == "codecs" and cuda and not _kernels_ok(res):
             # broken kernels must not cost the memory and speed figures: measure those with the
             # torch reference codecs, and say so
@@ -190,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
 
             set_kernel_mode("torch")
             out["kernel_mode_after_codecs"] = "torch (the kernels failed)"
-        write_json(json_path, out)
+
+    shares = {n: SHARES_S[n] for n in args.sections}
+    limit = args.time_limit * sum(shares.values()) / TIME_LIMIT_S
+    deadline = run_sections(args.sections, shares, limit, run, out, json_path, after=after)
     out["png"] = plot(out, results / f"first-{tag}.png")
     write_json(json_path, out)
     print(f"wrote {json_path} ({deadline})", flush=True)

@@ -1,10 +1,14 @@
 """The GPU suite in parts that each finish inside 10 minutes (the device tool's limit per command).
 
     python benchmarks/gpu_suite.py --part first      # the first check: run it first (<= 8 min)
+    python benchmarks/gpu_suite.py --part codecs     # does compression pay? (<= 6 min)
     python benchmarks/gpu_suite.py --list            # what each part runs
     python benchmarks/gpu_suite.py --part 1          # one part; results/*-<gpu>.json + PNGs
     bash benchmarks/gpu_suite.sh                     # every part in turn (see its header)
 
+Part ``codecs`` (`benchmarks/gpu_codecs.py`) measures whether compression pays on the device:
+every codec on each of its backends, the device's own throughputs (what its table in
+``adacc_hf/devices/tables`` prices with) and the 1.1B LLaMA planned with every codec allowed.
 Part ``first`` (`benchmarks/gpu_first.py`, ``make gpu-first``) is what a session lent a GPU runs
 first, from a bare machine, in one device call: environment, the kernel / codec / exactness tests
 on CUDA, codec bandwidth, step peaks against prediction and budget, and tokens/s against HF's
@@ -148,7 +152,7 @@ def check_environment(results: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["first", *map(str, sorted(PARTS))])
+    p.add_argument("--part", choices=["first", "codecs", *map(str, sorted(PARTS))])
     p.add_argument("--list", action="store_true", help="print the parts and their commands")
     p.add_argument(
         "--smoke", action="store_true", help="tiny sizes, any device (checks the driver)"
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.list:
         print("part first: the first GPU check (benchmarks/gpu_first.py)")
+        print("part codecs: codec backends, the device's throughputs, plans with codecs allowed")
         for k, (what, module, _) in PARTS.items():
             line = f"part {k}: {what}"
             if module:
@@ -167,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.part is None:
         p.error("give --part first|N (or --list)")
-    if args.part == "first":
-        from benchmarks import gpu_first
+    if args.part in ("first", "codecs"):
+        from benchmarks import gpu_codecs, gpu_first
 
         extra = ["--smoke"] if args.smoke else []
         tag = ["--tag", args.tag] if args.tag else []
-        return gpu_first.main(["--results", args.results, *tag, *extra])
+        driver = gpu_first if args.part == "first" else gpu_codecs
+        return driver.main(["--results", args.results, *tag, *extra])
     args.part = int(args.part)
     what, module, _ = PARTS[args.part]
     print(f"== part {args.part}: {what}", flush=True)

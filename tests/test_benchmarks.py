@@ -405,3 +405,35 @@ def test_first_gpu_check_smoke_runs_every_section_and_the_budget_holds(tmp_path)
     for name in ("hf_full", "adacc", tp["best_every_n"]):
         assert tp["strategies"][name]["fits"] and tp["strategies"][name]["tokens_per_s"] > 0
     assert (tmp_path / "first-smoke.png").stat().st_size > 0
+
+
+def test_codecs_gpu_check_fits_six_minutes_and_its_smoke_runs_every_section(tmp_path):
+    """``gpu_suite.py --part codecs --smoke``: the driver on CPU, tiny (Triton interpreted): every
+    backend of each codec it runs gives the reference's bits, and the plan section reports the
+    actions, why ops were not compressed and the gradients against HF full."""
+    import subprocess
+
+    from benchmarks import gpu_codecs
+
+    assert sum(gpu_codecs.SHARES_S.values()) == gpu_codecs.TIME_LIMIT_S <= 6 * 60 - 30
+    cmd = [sys.executable, "benchmarks/gpu_suite.py", "--part", "codecs", "--smoke"]
+    proc = subprocess.run(
+        [*cmd, "--results", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sec = json.loads((tmp_path / "codecs-smoke.json").read_text())["sections"]
+    assert list(sec) == ["env", "device", "codecs", "plans"]
+    assert not [n for n, r in sec.items() if "error" in r]
+    rows = [r for r in sec["codecs"]["rows"] if "unavailable" not in r]
+    assert {r["backend"] for r in rows} >= {
+        "torch",
+        "inductor",
+        "triton",
+        "bitsandbytes",
+        "torchao",
+    }
+    assert all(r["bit_exact_payload"] and r["bit_exact_decode"] for r in rows)
+    assert sec["device"]["host"]["mode_crossing_us"] > 0
+    plan = sec["plans"]["fractions"]["0.25"]
+    assert plan["summary"] and plan["not_compressed"]
+    assert plan["strategies"]["adacc"]["tokens_per_s"] > 0 and "grad_error_vs_hf_full" in plan

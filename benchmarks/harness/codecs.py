@@ -122,3 +122,60 @@ def bench_codec(
         and min(row["encode_speedup"], row["decode_speedup"]) >= TARGET_SPEEDUP
     )
     return row
+
+
+def bench_backends(
+    name: str,
+    mb: float,
+    device,
+    dtype,
+    *,
+    channels: int,
+    reps: int,
+    device_copy: float,
+    backends: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """One codec at one size on each of its backends that runs on `device` (`backends`: a
+    subset), against the torch reference's payload and decode, bit for bit; one row per backend
+    with its GB/s and ratio to a copy."""
+    from adacc_hf.codecs import backends as be
+    from adacc_hf.codecs.backends import same_bits
+
+    ref = get_codec(name, backend="torch")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    x = make_input(name, int(mb * 2**20) // itemsize, channels, device, dtype)
+    want = ref.encode(x)
+    want_out = ref.decode(want)
+    in_bytes = x.numel() * x.element_size()
+    rows = []
+    for b in backends or be.backends_of(name):
+        why = be.unavailable(name, b, x.device)
+        if why is not None:
+            rows.append({"codec": name, "backend": b, "size_mb": mb, "unavailable": why})
+            continue
+        codec = get_codec(name, backend=b)
+        enc = codec.encode(x)  # compiles / tunes where the backend does
+        out = codec.decode(want)
+        t_enc = median_s(lambda c=codec: c.encode(x), device, reps)
+        t_dec = median_s(lambda c=codec: c.decode(want), device, reps)
+        moved = in_bytes + enc.nbytes()
+        row = {
+            "codec": name,
+            "backend": b,
+            "size_mb": mb,
+            "shape": list(x.shape),
+            "dtype": str(x.dtype).removeprefix("torch."),
+            "payload_bytes": enc.nbytes(),
+            "compression": in_bytes / enc.nbytes(),
+            "encode_ms": t_enc * 1e3,
+            "decode_ms": t_dec * 1e3,
+            "encode_gbps": moved / t_enc / 1e9,
+            "decode_gbps": moved / t_dec / 1e9,
+            "bit_exact_payload": enc.tensors.keys() == want.tensors.keys()
+            and all(same_bits(enc.tensors[k], want.tensors[k]) for k in enc.tensors),
+            "bit_exact_decode": same_bits(out, want_out),
+        }
+        row["encode_copy_ratio"] = row["encode_gbps"] / device_copy
+        row["decode_copy_ratio"] = row["decode_gbps"] / device_copy
+        rows.append(row)
+    return rows
