@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..codecs import backends
 from ..runtime import timing
 from ..runtime.modes import crossings
+from ..runtime.ops import draws_random
 from .roofline import Roofline, op_bytes, op_flops
 
 __all__ = ["SMALL", "DryRun", "dry_run", "replay"]
@@ -144,7 +145,7 @@ class DryRun(TorchDispatchMode):
         targets = _tensors(written)
         # what a random op draws is as a run draws it (the runtime replays generator states);
         # an in-place draw (CPU dropout's noise) replaces every value of its tensor
-        random = torch.Tag.nondeterministic_seeded in func.tags
+        random = draws_random(func, args, kwargs)  # not attention without dropout
         drawn = random and bool(targets)
         others = [t for t in inputs if not any(t is w for w in targets)]
         # integer and bool tensors made from real values (ids, positions, padding masks) are

@@ -169,7 +169,7 @@ def measure_heads(
     lm, labels, params = found
     device = lm.weight.device
     rows, length = labels.shape[0], labels.shape[-1]
-    chunk = default_chunk_rows(rows * length, lm.in_features, lm.out_features)
+    chunk = default_chunk_rows(rows * length, lm.in_features, lm.out_features, device)
     first = {"full": max(1, round(length * FIRST_SLICE)), "chunked": -(-chunk // rows)}
 
     losses = head_losses(base, lm, labels, chunk)
