@@ -48,6 +48,27 @@ def _codec_rows(rows: list[dict], out: dict) -> None:
                 out.setdefault(r["codec"], {}).setdefault(backend, {})[size] = [enc, dec]
 
 
+def measured_prior(device: dict, tflops: float) -> dict:
+    """What the codecs check measured of the device itself, as the fit's prior: the best matmul
+    and the fused attention's throughput against the datasheet's, the host's costs."""
+    from adacc_hf.devices.table import DEFAULT_EFFICIENCY
+
+    prior = dict(DEFAULT_EFFICIENCY)
+    if device.get("matmul"):
+        prior["matmul"] = max(r["tflops"] for r in device["matmul"]) / tflops
+    if device.get("attention"):
+        rates = [
+            (r["forward_tflops"] + 2.5 * r["backward_tflops"]) / 3.5 for r in device["attention"]
+        ]
+        prior["attention"] = sum(rates) / len(rates) / tflops
+    host = device.get("host") or {}
+    if host.get("op_us"):
+        prior["host_op_us"] = host["op_us"]
+    if host.get("mode_crossing_us"):
+        prior["host_mode_us"] = max(1.0, host["mode_crossing_us"])
+    return prior
+
+
 def build(name: str) -> dict:
     """The measured part of device `name`'s table, read from the committed results."""
     tag, label, tflops = DATASHEET[name]
@@ -65,8 +86,9 @@ def build(name: str) -> dict:
     _codec_rows(sections["codecs"]["rows"], table["codecs"])
     codecs = RESULTS / f"codecs-{tag}.json"
     if codecs.exists():  # --part codecs: every backend, measured later than the first check
-        part = json.loads(codecs.read_text())
-        _codec_rows(part.get("rows", []), table["codecs"])
+        part = json.loads(codecs.read_text()).get("sections", {})
+        _codec_rows(part.get("codecs", {}).get("rows", []), table["codecs"])
+        table["prior"] = measured_prior(part.get("device", {}), tflops)
         table["sources"].append(f"benchmarks/results/codecs-{tag}.json")
     offload = RESULTS / f"offload-{tag}.json"
     if offload.exists():
@@ -88,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         path = TABLES / f"{name}.json"
         old = DeviceTable.from_json(path.read_text()) if path.exists() else None
         table = DeviceTable(**build(name))
-        if old is not None:
+        if old is not None and args.no_fit:
             table = table.with_efficiency(old.efficiency, old.calibrated_on)
+        elif not args.no_fit:  # fitted from the prior, not from an earlier fit
+            table = table.with_efficiency(dict(table.prior), [])
         if not args.no_fit:
             from adacc_hf.devices.calibrate import fit, simulate
             from benchmarks.harness.device_runs import committed_runs

@@ -5,15 +5,17 @@ metered: no checkpointing, transformers' full checkpointing, or an Adacc plan at
 `simulate` runs each on paper (`plan.plan_for_device`: the same profile, solve and dry step) and
 records the step's ops (`dryrun.DryRun.trace`); `fit` then searches the efficiencies that bring
 the recorded steps (`dryrun.replay`, milliseconds per try) closest to the measured times, in
-log-ratio, held near `table.DEFAULT_EFFICIENCY` by a weak prior, within physical bounds. Plans
+log-ratio, held near the table's prior (`DeviceTable.prior`: what the device measured of itself,
+else `table.DEFAULT_EFFICIENCY`) by a weak pull, within physical bounds. Plans
 depend on the efficiencies (the solver weighs recompute against keeping by its times), so a
 check re-simulates with the fitted table before it compares (`check`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,9 @@ class Run:
     budget_nbytes: int | None = None
     head: str = "full"
     offload: bool | None = None
+    # the chunked head's chunk size on a GPU when the run was measured, where it was not today's
+    # (`runtime.head_loss.GPU_CHUNK_LOGITS_NBYTES`): a run is simulated as the code ran it
+    gpu_chunk_nbytes: int | None = None
 
 
 @dataclass
@@ -121,16 +126,17 @@ def simulate(runs: Sequence[Run], table: DeviceTable) -> list[Outcome]:
                 s = plan.steps[r.strategy]
                 out.append(Outcome(r, s.step_ms, s.peak_nbytes, trace=s.trace))
         for r in (r for r in rs if r.strategy == "adacc"):
-            plan = plan_for_device(
-                model,
-                batch,
-                table,
-                budget=r.budget_nbytes,
-                optimizer=setting.optimizer,
-                head=r.head,
-                offload=r.offload,
-                steps=("none", "adacc"),
-            )
+            with _chunks(r.gpu_chunk_nbytes):
+                plan = plan_for_device(
+                    model,
+                    batch,
+                    table,
+                    budget=r.budget_nbytes,
+                    optimizer=setting.optimizer,
+                    head=r.head,
+                    offload=r.offload,
+                    steps=("none", "adacc"),
+                )
             s = plan.steps["adacc"]
             summary = plan.policy.summary() if plan.policy is not None else {}
             out.append(
@@ -147,6 +153,20 @@ def simulate(runs: Sequence[Run], table: DeviceTable) -> list[Outcome]:
     return out
 
 
+@contextlib.contextmanager
+def _chunks(nbytes: int | None) -> Iterator[None]:
+    """The chunked head's GPU chunk size set to `nbytes` inside (None: as it is)."""
+    from ..runtime import head_loss
+
+    was = head_loss.GPU_CHUNK_LOGITS_NBYTES
+    if nbytes is not None:
+        head_loss.GPU_CHUNK_LOGITS_NBYTES = nbytes
+    try:
+        yield
+    finally:
+        head_loss.GPU_CHUNK_LOGITS_NBYTES = was
+
+
 def _loss(
     params: dict[str, float], outcomes: Iterable[Outcome], table: DeviceTable
 ) -> tuple[float, float]:
@@ -157,7 +177,8 @@ def _loss(
         r = math.log(ms / o.run.step_ms)
         total += r * r
         worst = max(worst, abs(ms / o.run.step_ms - 1))
-    total += PRIOR * sum(math.log(params[k] / DEFAULT_EFFICIENCY[k]) ** 2 for k in params)
+    prior = {**DEFAULT_EFFICIENCY, **table.prior}
+    total += PRIOR * sum(math.log(params[k] / prior[k]) ** 2 for k in params)
     return total, worst
 
 

@@ -30,7 +30,9 @@ DEFAULT_EFFICIENCY: dict[str, float] = {
     "memory": 0.85,  # of the measured copy bandwidth at the largest size
     "launch_us": 4.0,  # a kernel's fixed cost
     "host_op_us": 8.0,  # the host's cost of issuing one op
-    "host_mode_us": 25.0,  # more per crossing of a runtime dispatch mode
+    # more per crossing of a runtime dispatch mode: 27.9 us per op crossing them twice (forward
+    # and replay) on this project's CPU (`benchmarks/results/dispatch-cpu.json`, wall clock)
+    "host_mode_us": 14.0,
 }
 
 
@@ -58,6 +60,9 @@ class DeviceTable:
     codecs: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
     efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     calibrated_on: list[str] = field(default_factory=list)  # the committed runs fitted
+    # what a fit is held near: `DEFAULT_EFFICIENCY`, or what the device itself measured (the
+    # codecs check's ``device`` section: its matmul, attention and host costs)
+    prior: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     sources: list[str] = field(default_factory=list)  # the results files read
 
     @property
