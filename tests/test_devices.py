@@ -27,6 +27,7 @@ from adacc_hf.devices.plan import empty_model, model_step, plan_for_device, rand
 from adacc_hf.devices.roofline import Roofline, attention_flops, op_flops
 from adacc_hf.devices.table import DeviceTable, known_devices, load_device
 from adacc_hf.runtime.memory import activation_memory_report
+from adacc_hf.solver.explain import REASONS, not_compressed
 
 
 def _tiny(dtype=torch.float32, seed: int = 0):
@@ -163,6 +164,10 @@ def test_a_plan_made_on_paper_holds_its_budget_and_its_prediction():
     assert abs(p.predicted_peak_nbytes - adacc.peak_nbytes) <= 0.01 * adacc.peak_nbytes
     assert p.steps["none"].peak_nbytes > p.budget_nbytes >= p.steps["hf_full"].peak_nbytes
     assert p.profile.device.startswith("cuda (NVIDIA H200, modelled)")
+    why = not_compressed(p.profile, p.policy)["block"]
+    compressed = {k for v in p.policy.groups["block"].variants for k, a in v.actions.items()
+                  if a.kind == "compress"}  # fmt: skip
+    assert set(why.values()) <= set(REASONS) and not compressed & set(why)
 
 
 def test_codecs_are_priced_from_the_table_or_at_a_fraction_of_a_copy():

@@ -17,6 +17,8 @@ REASONS = {
     "slower": "every codec is slower than recomputing the op",
     "error": "every codec that could pay is over the gradient-error bound",
     "not needed": "its memory was not needed: retained, or in a block that is not checkpointed",
+    "overhead": "no checkpointed block keeps anything: the runtime's dispatch overhead of a block "
+    "that keeps an op costs more than keeping saves",
     "solver": "another action was cheaper for the memory it saves (recompute or offload)",
 }
 
@@ -32,6 +34,7 @@ def not_compressed(
         if gp is None:
             continue
         variants = [v for v in gp.variants if v.count]
+        keeps = any(a.keeps for v in variants if v.checkpoint for a in v.actions.values())
         reasons: dict[str, str] = {}
         for op in g.ops:
             if not op.cacheable or op.block_output:
@@ -53,6 +56,8 @@ def not_compressed(
                 reasons[op.key] = "error"
             elif all(a.kind == "retain" for a in acts):
                 reasons[op.key] = "not needed"
+            elif not keeps and g.dispatch_ms > 0:
+                reasons[op.key] = "overhead"
             else:
                 reasons[op.key] = "solver"
         out[name] = reasons
