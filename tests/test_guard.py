@@ -20,22 +20,47 @@ from adacc_hf.solver import budget_between, estimate_static_memory
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """A CUDA that records allocator settings instead of applying them."""
+    """A CUDA that records allocator settings (and cache emptying) instead of applying them: the
+    real switch runs only on a GPU (``gpu_suite.py --part budget`` measures it, each case in a
+    process of its own)."""
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(allocator, "_set", calls.append)
     monkeypatch.setattr(allocator, "_done", False)
+    monkeypatch.setattr(allocator, "_on", False)
     for var in (*allocator._TORCH_VARS, allocator.ENV_VAR):
         monkeypatch.delenv(var, raising=False)
     return calls
 
 
-def test_expandable_segments_are_turned_on_once_where_the_user_set_nothing(fake_cuda, caplog):
+def test_import_turns_expandable_segments_on_before_cuda_starts(fake_cuda, caplog):
+    allocator.at_import()
+    assert fake_cuda == ["expandable_segments:True"]
+    with caplog.at_level(logging.INFO, logger="adacc_hf"):
+        assert not allocator.use_expandable_segments()  # already on: the session has nothing to do
+    assert fake_cuda == ["expandable_segments:True"]
+
+
+def test_a_session_on_a_started_cuda_empties_the_cache_then_switches(
+    fake_cuda, monkeypatch, caplog
+):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    allocator.at_import()  # too late: CUDA runs
+    assert fake_cuda == []
     with caplog.at_level(logging.INFO, logger="adacc_hf"):
         assert allocator.use_expandable_segments()
         assert not allocator.use_expandable_segments()  # once per process
-    assert fake_cuda == ["expandable_segments:True"]
-    assert "expandable segments" in caplog.text and allocator.ENV_VAR in caplog.text
+    assert fake_cuda == ["empty_cache", "expandable_segments:True"]
+    assert "cache emptied" in caplog.text and allocator.ENV_VAR in caplog.text
+
+
+def test_the_option_off_switches_back_what_import_turned_on(fake_cuda):
+    allocator.at_import()
+    assert allocator.use_expandable_segments(enabled=False)
+    assert fake_cuda == ["expandable_segments:True", "empty_cache", "expandable_segments:False"]
 
 
 @pytest.mark.parametrize(
@@ -48,14 +73,15 @@ def test_expandable_segments_are_turned_on_once_where_the_user_set_nothing(fake_
 )
 def test_a_users_allocator_setting_or_opt_out_is_left_alone(fake_cuda, monkeypatch, var, value):
     monkeypatch.setenv(var, value)
+    allocator.at_import()
     assert not allocator.use_expandable_segments()
     assert fake_cuda == []
 
 
-def test_the_config_option_opts_out_and_cpu_is_never_touched(fake_cuda, monkeypatch):
-    assert not allocator.use_expandable_segments(enabled=False)
+def test_a_cpu_build_is_never_touched(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    allocator.at_import()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(allocator, "_done", False)
     assert not allocator.use_expandable_segments()
     assert fake_cuda == []
     assert allocator.reserved_nbytes(torch.device("cpu")) is None

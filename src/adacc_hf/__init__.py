@@ -31,6 +31,7 @@ from .runtime import (
     trace_model,
     uniform_policy,
 )
+from .runtime import allocator as _allocator
 from .runtime.memory import ActivationMemory, activation_memory_report, measure_activation_memory
 from .runtime.peak import StepPeak, measure_step_peak
 from .schema import Action, OpSpec, Profile
@@ -93,3 +94,7 @@ __all__ = [
 ]
 
 _install_logging()
+
+# CUDA's allocator: expandable segments before CUDA starts, unless the user configured it
+# (`runtime.allocator`; ADACC_CUDA_ALLOCATOR=default opts out).
+_allocator.at_import()

@@ -10,8 +10,8 @@ emptied so the new plan's smaller footprint can show, and an event is logged. Of
 accounting) the guard does nothing.
 
 `DerivedCheck` watches the first step of a bucket whose memory was interpolated rather than
-measured (`profiler.derive`): the allocator's highest allocated bytes over that step against the
-prediction. The interpolation never under-counts on CPU (tests/test_derive.py); where a device
+measured (`profiler.derive`): the highest bytes allocated over that step (its allocation events,
+replayed: no peak statistic of the user's is reset) against the prediction. The interpolation never under-counts on CPU (tests/test_derive.py); where a device
 allocates more than predicted, the bucket is profiled in full before its next batch.
 """
 
@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ..runtime.allocator import allocated_peak_nbytes, reserved_nbytes, reset_allocated_peak
+from ..runtime.allocator import reserved_nbytes
+from ..runtime.peak import AllocationTracker
 from .plans import AdaccEvent, Plan
 
-__all__ = ["MARGIN", "DerivedCheck", "ReservedGuard"]
+__all__ = ["MARGIN", "DerivedCheck", "ReservedGuard", "peak_of", "peak_window"]
 
 logger = logging.getLogger("adacc_hf")
 
@@ -80,18 +82,45 @@ def _predicted(plan: Plan) -> int | None:
     return pred.get("peak_nbytes") if isinstance(pred, dict) else None
 
 
+def peak_window(device: torch.device) -> Any:
+    """Start measuring the allocated peak of a step on `device` (CUDA: allocation events replayed,
+    `runtime.peak.AllocationTracker`, no statistic reset; elsewhere nothing is measured)."""
+    if device.type != "cuda":
+        return None
+    tracker = AllocationTracker(device)
+    start = torch.cuda.memory_allocated(tracker.device)
+    tracker.__enter__()
+    return tracker, start
+
+
+def peak_of(window: Any, keep: bool = True) -> int | None:
+    """End a `peak_window`: the highest bytes allocated within it (None: nothing measured, or
+    `keep` False: abandoned)."""
+    if window is None:
+        return None
+    tracker, start = window
+    tracker.__exit__(None, None, None)
+    return start + tracker.peak_nbytes if keep else None
+
+
 class DerivedCheck:
     """The first step of each bucket planned from interpolated memory, against its prediction
-    (CUDA: the allocator's peak counter, reset as the step starts; off CUDA nothing is read)."""
+    (CUDA: the step's allocation events, `peak_window`; off CUDA nothing is read).
+
+    Args:
+        begin: starts a measurement on a device (`peak_window`).
+        end: ends one, returning its peak or None (`peak_of`).
+    """
 
     def __init__(
         self,
-        reset: Callable[[torch.device], None] = reset_allocated_peak,
-        read: Callable[[torch.device], int | None] = allocated_peak_nbytes,
+        begin: Callable[[torch.device], Any] = peak_window,
+        end: Callable[..., int | None] = peak_of,
     ) -> None:
-        self.reset, self.read = reset, read
+        self.begin, self.end = begin, end
         self.watched: list[Plan] = []  # the plans of the step being watched
         self.checked: set[int] = set()  # ids of the plans whose step was checked
+        self._window: Any = None
 
     def step_uses(self, plan: Plan | None, device: torch.device) -> None:
         """Before a training forward runs `plan`: start watching the step if `plan`'s memory is
@@ -101,9 +130,16 @@ class DerivedCheck:
         if not self.watched:
             if not plan.profile.memory_from or id(plan) in self.checked:
                 return
-            self.reset(device)
+            self._window = self.begin(device)
         if all(p is not plan for p in self.watched):
             self.watched.append(plan)
+
+    def abandon(self) -> None:
+        """The session measures something of its own (profiling does not nest in a measured
+        step): the watch ends unread, its plans stay unchecked for a later step."""
+        if self.watched:
+            self.end(self._window, False)
+            self.watched, self._window = [], None
 
     def step_ended(
         self,
@@ -118,7 +154,8 @@ class DerivedCheck:
         if not watched:
             return []
         self.checked.update(id(p) for p in watched)
-        peak = self.read(device)
+        peak = self.end(self._window)
+        self._window = None
         predicted = [p for plan in watched if (p := _predicted(plan)) is not None]
         over = peak is not None and bool(predicted) and peak > max(predicted) + MARGIN
         if agree is not None:

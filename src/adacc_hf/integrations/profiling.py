@@ -74,6 +74,9 @@ class SessionProfiling:
         """Forwards of the session's own (profiling, measuring): the training-forward hook lets
         them pass, and an FSDP2 model is left between iterations as it was found (inside a
         training forward, its state is left to that step's backward)."""
+        check = getattr(self, "derived_check", None)
+        if check is not None:
+            check.abandon()  # a step's measurement does not nest ours
         self._planning = True
         try:
             with forwards_without_backward(self.model):

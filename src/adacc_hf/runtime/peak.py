@@ -4,13 +4,11 @@
 micro-batch, or several with gradient accumulation) and returns the highest number of bytes alive
 on the device at any moment, and per phase:
 
-* CUDA: the caching allocator's statistics (``max_memory_allocated`` above the bytes allocated
-  when the step starts, plus those bytes); beside it the highest bytes the allocator *reserved*
-  (``max_memory_reserved``: what the device must hold, caching-allocator rounding and segments
-  included -- CUDA runs out of memory when this does not fit).
-* CPU: every allocation and free the CPU allocator reports to ``torch.profiler`` (exact, in
-  time order, including temporaries inside an op), added to the bytes alive when the step starts:
-  parameters, buffers, gradients, optimizer state and the batch, each storage once.
+Every allocation and free the device's allocator reports to ``torch.profiler`` (exact, in time
+order, temporaries inside an op included), added to the bytes alive when the step starts:
+parameters, buffers, gradients, optimizer state and the batch, each storage once. On CUDA beside
+it the highest bytes the caching allocator *reserved* (rounding and segments included -- CUDA runs
+out of memory when this does not fit). No allocator statistic is reset.
 
 `AllocationTracker` is the measuring tool on its own: bytes allocated above the level at entry,
 at named marks, and the peak between any two marks.
@@ -51,19 +49,23 @@ class AllocationTracker:
 
     ``mark(name)`` records a moment (also from inside autograd hooks); after ``__exit__``,
     ``level(name)`` is the level at that mark and ``peak(a, b)`` the highest level between marks
-    `a` and `b` (``None``: the start / the end). CUDA: the allocator's statistics (read at each
-    mark, no device sync). CPU: the allocation events of ``torch.profiler`` replayed in time order
-    (one tracker at a time: torch.profiler does not nest).
+    `a` and `b` (``None``: the start / the end). Every device alike: the allocation events the
+    device's allocator reports to ``torch.profiler`` (exact, in time order, temporaries inside an
+    op included), replayed; one tracker at a time (torch.profiler does not nest). Nobody's
+    statistics are reset: a user's ``torch.cuda.max_memory_allocated`` reads after profiling what
+    it would have read without it. On CUDA the allocator's reserved bytes come with each event
+    (`reserved_peak_nbytes`); that CUDA reports its events to a CPU-only profiler, and from the
+    autograd engine's device thread, is checked on a GPU only (``gpu_suite.py --part budget``).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.peak_nbytes = 0
-        self._marks: dict[str, int] = {}  # name -> index into _levels (first occurrence)
         self._order: list[str] = []
-        self._cuda_points: list[tuple[int, int]] = []  # (level at mark, peak since last mark)
-        self._times: list[int] = []  # CPU: event times
-        self._levels: list[int] = []  # CPU: level after each event
+        self._times: list[int] = []  # event times
+        self._levels: list[int] = []  # level after each event
         self._mark_times: dict[str, int] = {}
         self._prof: Any = None
         self.reserved_peak_nbytes: int | None = None  # CUDA: highest reserved bytes
@@ -73,34 +75,24 @@ class AllocationTracker:
         return self.device.type == "cuda"
 
     def __enter__(self) -> AllocationTracker:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.reserved_peak_nbytes = torch.cuda.memory_reserved(self.device)
-        else:
-            from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile
 
-            # Kineto logs every profiler start / stop to stderr; it reads this before its first
-            # use (a user's own setting wins).
-            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
+        if self.cuda:
+            self.reserved_peak_nbytes = torch.cuda.memory_reserved(self.device)
+            self._cuda_max = torch.cuda.max_memory_allocated(self.device)
+            self._cuda_start = torch.cuda.memory_allocated(self.device)
+        # Kineto logs every profiler start / stop to stderr; it reads this before its first use
+        # (a user's own setting wins).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
         return self
 
     def mark(self, name: str) -> None:
         """Record this moment as `name` (the first mark of a name counts)."""
-        if name in self._marks or name in self._mark_times:
+        if name in self._mark_times or name in self._order:
             return
         self._order.append(name)
-        if self.cuda:
-            now = torch.cuda.memory_allocated(self.device) - self._start
-            peak = torch.cuda.max_memory_allocated(self.device) - self._start
-            self._note_reserved()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._marks[name] = len(self._cuda_points)
-            self._cuda_points.append((now, peak))
-            return
         with torch.profiler.record_function(_MARK + name):
             pass
 
@@ -114,72 +106,75 @@ class AllocationTracker:
             self.mark(name + ":end")
 
     def __exit__(self, *exc: object) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            end_peak = torch.cuda.max_memory_allocated(self.device) - self._start
-            self._note_reserved()
-            self._cuda_points.append(
-                (torch.cuda.memory_allocated(self.device) - self._start, end_peak)
-            )
-            self.peak_nbytes = max([0, *(p for _, p in self._cuda_points)])
-            return
         self._prof.__exit__(*exc)
         if exc[0] is None:
             self._replay(self._prof.profiler.kineto_results)
+            if self.cuda:
+                self._check_cuda()
 
-    def _note_reserved(self) -> None:
-        """Fold the allocator's reserved peak since the last reset into ours (marks reset it)."""
-        now = torch.cuda.max_memory_reserved(self.device)
-        self.reserved_peak_nbytes = max(self.reserved_peak_nbytes or 0, now)
+    def _ours(self, dev: torch.device) -> bool:
+        return dev.type == self.device.type and (
+            self.device.index is None or dev.index in (None, -1, self.device.index)
+        )
 
     def _replay(self, results: Any) -> None:
         from torch._C._profiler import _EventType
 
-        allocs: list[tuple[int, int]] = []
+        allocs: list[tuple[int, int, int]] = []
         stack = list(results.experimental_event_tree())
         while stack:
             node = stack.pop()
             stack.extend(node.children)
             if node.tag == _EventType.Allocation:
-                if node.extra_fields.device.type == "cpu":
-                    allocs.append((node.start_time_ns, int(node.extra_fields.alloc_size)))
+                f = node.extra_fields
+                if self._ours(f.device):
+                    allocs.append((node.start_time_ns, int(f.alloc_size), int(f.total_reserved)))
             elif node.name.startswith(_MARK):
                 self._mark_times.setdefault(node.name[len(_MARK) :], node.start_time_ns)
         allocs.sort()
         level = 0
-        for t, n in allocs:
+        for t, n, reserved in allocs:
             level += n
             self._times.append(t)
             self._levels.append(level)
+            if self.reserved_peak_nbytes is not None:
+                self.reserved_peak_nbytes = max(self.reserved_peak_nbytes, reserved)
         self.peak_nbytes = max([0, *self._levels])
+
+    def _check_cuda(self) -> None:
+        """The allocator's own counters, read (never reset), against the replayed events: the
+        level at the end, and a new all-time peak inside the window, must be the events'."""
+        end = torch.cuda.memory_allocated(self.device) - self._cuda_start
+        new_max = torch.cuda.max_memory_allocated(self.device)
+        seen = self._levels[-1] if self._levels else 0
+        if seen != end or (
+            new_max > self._cuda_max and new_max - self._cuda_start > self.peak_nbytes
+        ):
+            raise RuntimeError(
+                f"adacc: torch.profiler reported {seen} B allocated over the window on "
+                f"{self.device} where the allocator counted {end} B (peak "
+                f"{self.peak_nbytes} B, allocator's {new_max - self._cuda_start} B): this torch "
+                "does not report this device's allocations; please report it"
+            )
 
     # ------------------------------------------------------------------ reading
     def level(self, name: str) -> int:
         """Bytes above the start at mark `name`."""
-        if self.cuda:
-            return self._cuda_points[self._marks[name]][0]
         i = bisect.bisect_left(self._times, self._mark_times[name])
         return self._levels[i - 1] if i else 0
 
     def peak(self, start: str | None = None, end: str | None = None) -> int:
         """The highest level between marks `start` and `end` (None: the very start / end)."""
-        if self.cuda:
-            lo = self._marks[start] + 1 if start is not None else 0
-            hi = self._marks[end] if end is not None else len(self._cuda_points) - 1
-            first = self._cuda_points[lo - 1][0] if lo else 0
-            return max([first, *(p for _, p in self._cuda_points[lo : hi + 1])])
         lo = bisect.bisect_left(self._times, self._mark_times[start]) if start else 0
         hi = bisect.bisect_left(self._times, self._mark_times[end]) if end else len(self._times)
         first = self._levels[lo - 1] if lo else 0
         return max([first, *self._levels[lo:hi]])
 
     def has(self, name: str) -> bool:
-        return name in self._marks or name in self._mark_times
+        return name in self._mark_times
 
     def precedes(self, a: str, b: str) -> bool:
         """Whether mark `a` came before mark `b` (both recorded)."""
-        if self.cuda:
-            return self._marks[a] < self._marks[b]
         return self._mark_times[a] < self._mark_times[b]
 
 
@@ -301,7 +296,7 @@ def measure_step_peak(
     phases: dict[str, int] = {}
     for phase, mark in names:
         phases[phase] = max(phases.get(phase, 0), baseline + tracker.peak(mark, mark + ":end"))
-    how = "CUDA caching allocator statistics" if tracker.cuda else "CPU allocator events"
+    how = f"{tracker.device.type} allocator events"
     return StepPeak(
         peak_nbytes=baseline + tracker.peak_nbytes,
         baseline_nbytes=baseline,
