@@ -91,19 +91,26 @@ def test_reserve_grows_past_the_missing_bytes_and_doubles():
     assert grown_reserve(0, budget, static, "") >= (budget - static) // 10
 
 
-def test_a_plan_that_under_predicts_is_replanned_and_the_step_rerun_exactly(tmp_path, caplog):
+@pytest.mark.parametrize("trainer_cls", [AdaccTrainer, Trainer], ids=["AdaccTrainer", "Trainer"])
+def test_a_plan_that_under_predicts_is_replanned_and_the_step_rerun_exactly(
+    tmp_path, caplog, trainer_cls
+):
     """Every allocation 10 % larger than planned, on a device exactly the budget's size: the
     step that runs out is re-planned and re-run (both micro-batches of its accumulation window),
-    the run ends, and its losses are bit-identical to a run on an unbounded device."""
+    the run ends, and its losses are bit-identical to a run on an unbounded device; under
+    AdaccTrainer and under a plain Trainer with the callback alike."""
     model = _gpt2()
     budget = mixed_budget(model, _batch(model), fraction=0.6)
-    _, ref_model, ref_losses, _, ref = _run(tmp_path / "ref", budget)
+    _, ref_model, ref_losses, _, ref = _run(tmp_path / "ref", budget, trainer_cls=trainer_cls)
     capacity = max(ref.peaks[1:])  # the device holds exactly what the plan really takes
     with caplog.at_level(logging.WARNING, logger="adacc_hf"):
-        trainer, model, losses, dev, meter = _run(tmp_path / "oom", budget, capacity, 1.1)
+        trainer, model, losses, dev, meter = _run(
+            tmp_path / "oom", budget, capacity, 1.1, trainer_cls=trainer_cls
+        )
     assert dev.ooms >= 1
     assert trainer.state.global_step == 3
-    assert any("adacc/event_oom" in e for e in trainer.state.log_history)
+    if trainer_cls is AdaccTrainer:
+        assert any("adacc/event_oom" in e for e in trainer.state.log_history)
     assert "out of memory" in caplog.text and "re-planned" in caplog.text
     assert "recomputed" not in caplog.text  # a forward cut short builds no slot table
     assert losses == ref_losses
@@ -218,3 +225,52 @@ def test_a_custom_loop_that_catches_the_error_is_replanned_at_its_next_forward(c
     assert session.policy.metadata["predicted"]["peak_nbytes"] < planned
     assert dev.peak_nbytes <= dev.capacity
     session.close()
+
+
+def test_a_custom_loop_runs_its_step_again_after_an_error(caplog):
+    """`prepare` + ``session.run_step``: a device 10 % short of what every allocation takes; the
+    micro-batch that runs out is re-planned and the optimizer step's two micro-batches run again
+    with their own random states (dropout on): the weights after three steps are bit-identical to
+    a run on an unbounded device."""
+    from adacc_hf import prepare
+    from adacc_hf.runtime.peak import live_state_nbytes
+
+    def train(capacity=None):
+        model = _gpt2()
+        batch = _batch(model)
+        budget = mixed_budget(model, batch, fraction=0.6)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        session = prepare(
+            model, budget, batch, codecs=[], adaptive=False, optimizer=opt, profile_repeats=1
+        )
+        torch.manual_seed(1)
+        halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+        losses = []
+
+        def micro(b):
+            loss = model(**b).loss / 2
+            loss.backward()
+            return loss.item()
+
+        base = live_state_nbytes(model, opt, list(batch.values()))
+        with DeviceMeter(baseline=base) as dev:
+            for step in range(3):
+                if step == 1 and capacity is not None:
+                    dev.capacity, dev.inflate = capacity, 1.1
+                    dev.reset_peak()
+                losses.append(session.run_step(micro, halves))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                session.step_done(step + 1)
+            peak = dev.peak_nbytes
+        session.close()
+        return model, losses, dev, peak
+
+    ref_model, ref_losses, _, ref_peak = train()
+    with caplog.at_level(logging.WARNING, logger="adacc_hf"):
+        model, losses, dev, peak = train(capacity=ref_peak)
+    assert dev.ooms >= 1 and "running the step's" in caplog.text
+    assert losses == ref_losses
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert peak <= ref_peak

@@ -17,6 +17,7 @@ from ..runtime.head import chunked_head_problem
 from ..schema import Profile
 from .card import read_artifacts, write_artifacts
 from .config import AdaccConfig
+from .retry import find_trainer, wrap_trainer
 from .saved import read_profiles
 from .session import AdaccSession
 from .sharding import sharding_from_trainer
@@ -359,6 +360,11 @@ class AdaccCallback(TrainerCallback):
             self.session.restore_schedule(sched)
         self.session.oom_reserve_nbytes = reserve  # what the device showed it does not hold
         self.session.attach()
+        trainer = find_trainer()  # an out-of-memory step is re-planned and re-run (`retry`)
+        if trainer is not None:
+            wrap_trainer(trainer, lambda: self.session, getattr(trainer, "_log_adacc_events", None))
+        else:
+            logger.info("adacc: no Trainer found above the callback: out-of-memory steps raise")
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.session is not None:

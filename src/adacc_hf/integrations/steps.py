@@ -11,6 +11,7 @@ allocator reserved with the budget (`guard`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from ..schema import Profile
 from .guard import DerivedCheck, ReservedGuard
 from .oom import at_floor, grown_reserve, oom_event
 from .plans import AdaccEvent, Plan
+from .retry import StepRetry
 from .solving import SessionSolving
 
 logger = logging.getLogger("adacc_hf")
@@ -52,6 +54,7 @@ class StepHooks(SessionSolving):
     step: int
     _tracker: OutlierTracker | None
     _ooms_seen: int
+    _retry: StepRetry | None = None
 
     def apply(self, policy: Policy) -> None: ...
 
@@ -155,6 +158,32 @@ class StepHooks(SessionSolving):
         self.events.append(oom_event(self.step, before, self.oom_reserve_nbytes, message))
         return True
 
+    def run_step(
+        self, run: Callable[[Any], Any], batches: Iterable[Any] | Mapping[str, Any]
+    ) -> list[Any]:
+        """Custom loops: run one optimizer step's micro-batches, surviving out of memory.
+
+        ``run(batch)`` runs one micro-batch's forward and backward (``accelerator.backward``
+        included); call the optimizer after. A micro-batch that runs out of memory is re-planned
+        and the step's micro-batches run again from the first with their own random states, so
+        the gradients are those of a run that never failed (`retry`). Under several ranks errors
+        pass through (another rank would wait in a collective).
+
+        Args:
+            run: the function of one micro-batch; its results are returned in order.
+            batches: the step's micro-batches (or one batch).
+
+        Returns:
+            ``run``'s result for each micro-batch.
+        """
+        if isinstance(batches, Mapping):
+            batches = [batches]
+        if self.coordinator.distributed or self.fixed:
+            return [run(b) for b in batches]
+        if self._retry is None:
+            self._retry = StepRetry(lambda: self, self.model, self.device)
+        return self._retry.whole_step(run, batches)
+
     def check_oom(self) -> None:
         """Before a forward: an out-of-memory error raised since the last check (CUDA's own count,
         or a simulated device's) that nobody reported grows the reserve (a loop or Trainer that
@@ -165,7 +194,8 @@ class StepHooks(SessionSolving):
         if seen > self._ooms_seen and self.out_of_memory():
             logger.warning(
                 "adacc: an out-of-memory error was raised since the last step; re-planned with "
-                "%.1f MiB kept free. AdaccTrainer retries the micro-batch itself.",
+                "%.1f MiB kept free (Trainers, and session.run_step in a custom loop, re-run the step "
+                "themselves)",
                 self.oom_reserve_nbytes / 2**20,
             )
         self._ooms_seen = seen

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ from .card import (
     update_model_card,
     write_artifacts,
 )
-from .oom import release
 from .session import AdaccSession
 
 logger = logging.getLogger("adacc_hf")
@@ -114,74 +112,11 @@ class AdaccTrainer(Trainer):
         return choice
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        """The Trainer's step; one that runs out of memory is re-planned and run again (see
-        `_retry_after_oom`)."""
-        if not self._can_retry():
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            self._log_adacc_events()
-            return loss
-        window = self._adacc_window
-        if window is None or window.step != self.state.global_step:
-            clean = all(p.grad is None for p in model.parameters())
-            window = self._adacc_window = _Window(self.state.global_step, clean)
-        todo = [(inputs, num_items_in_batch, _rng_state(self.args.device))]
-        retry = False
-        while True:
-            message = None
-            try:
-                for batch, items, rng in todo:
-                    if retry:
-                        _set_rng_state(rng)
-                    loss = super().training_step(model, batch, items)
-            except torch.OutOfMemoryError as e:
-                message = str(e)  # leaving this block frees the failed step's tensors
-            if message is None:
-                break
-            self._retry_after_oom(model, message, window)
-            todo, retry = [*window.done, todo[-1]], True
-        window.done.append(todo[-1])
+        """The Trainer's step, then the session's events as log entries (a step that runs out
+        of memory is re-planned and run again: `retry`, as under any Trainer)."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
         self._log_adacc_events()
         return loss
-
-    def _can_retry(self) -> bool:
-        """Out-of-memory retries need a planning session and one process whose gradients live
-        in the parameters (DeepSpeed and FSDP keep their own; another rank would wait forever)."""
-        session = self.adacc_session
-        return (
-            session is not None
-            and not session.fixed
-            and self.args.world_size == 1
-            and self.args.n_gpu <= 1
-            and not self.is_deepspeed_enabled
-            and not self.is_fsdp_enabled
-        )
-
-    def _retry_after_oom(self, model: Any, message: str, window: _Window) -> None:
-        """After micro-batch ``len(window.done) + 1`` of this optimizer step ran out of memory:
-        free what it left, grow the reserve every plan keeps free (every bucket is planned again
-        before its next forward), and empty the gradients, so the caller re-runs the step's
-        micro-batches from the first with their own random states: the gradients are exactly
-        those of a run that never failed. Raises where that cannot hold."""
-        release(torch.device(self.args.device))
-        session = self.adacc_session
-        assert session is not None
-        if not window.clean:
-            raise torch.OutOfMemoryError(
-                f"{message}\nadacc: not retried: the gradients were not empty when this "
-                "optimizer step began, so a re-run could not restore them"
-            )
-        if not session.out_of_memory(message):
-            raise torch.OutOfMemoryError(
-                f"{message}\nadacc: even full recomputation does not fit the device: lower "
-                "per_device_train_batch_size (raise gradient_accumulation_steps to keep the "
-                "global batch) or the sequence length, or set adacc_memory_budget below what the "
-                "device has free"
-            )
-        for p in model.parameters():
-            p.grad = None
-        self._log_adacc_events()
-
-    _adacc_window: _Window | None = None
 
     def _log_adacc_events(self) -> None:
         session = self.adacc_session
@@ -213,25 +148,3 @@ class AdaccTrainer(Trainer):
         # a CPU run measured nothing the card could show
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         update_model_card(self.args.output_dir, session.policy, measured)
-
-
-@dataclass
-class _Window:
-    """The micro-batches of one optimizer step run so far (inputs, items, random state), for a
-    re-run after an out-of-memory error; `clean`: the gradients were empty when it began."""
-
-    step: int
-    clean: bool
-    done: list[tuple[Any, Any, Any]] = field(default_factory=list)
-
-
-def _rng_state(device: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.device(device).type == "cuda"
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None
-
-
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda)
