@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # On a machine without CUDA, pin the local CPU build of torch so pip never pulls CUDA wheels.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo memory-demo test test-all test-dist gpu-first bench-cpu bench-dispatch accuracy bench-codecs plan-sweep max-batch families-table kernel-coverage lint format clean
+.PHONY: setup demo memory-demo test test-all test-dist gpu-first gpu-budget bench-cpu bench-dispatch accuracy bench-codecs plan-sweep max-batch families-table kernel-coverage lint format clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,11 @@ test-dist: setup
 # benchmarks/gpu_suite.sh's header for the wheels to carry.
 gpu-first:
 	PYTHONPATH=src python3 benchmarks/gpu_first.py
+
+# The budget GPU check (<= 6 min): do budgets hold in reserved memory? Each case in a process of
+# its own under torch's default allocator or expandable segments, its allocator trace replayed.
+gpu-budget:
+	PYTHONPATH=src python3 benchmarks/gpu_budget.py
 
 # Strategies side by side on CPU-sized models (throughput, memory, largest micro-batch); < 10 min.
 bench-cpu: setup

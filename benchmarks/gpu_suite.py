@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_suite.py --part first      # the first check: run it first (<= 8 min)
     python benchmarks/gpu_suite.py --part codecs     # does compression pay? (<= 6 min)
+    python benchmarks/gpu_suite.py --part budget     # do budgets hold in reserved bytes? (<= 6 min)
     python benchmarks/gpu_suite.py --list            # what each part runs
     python benchmarks/gpu_suite.py --part 1          # one part; results/*-<gpu>.json + PNGs
     bash benchmarks/gpu_suite.sh                     # every part in turn (see its header)
@@ -9,6 +10,12 @@
 Part ``codecs`` (`benchmarks/gpu_codecs.py`) measures whether compression pays on the device:
 every codec on each of its backends, the device's own throughputs (what its table in
 ``adacc_hf/devices/tables`` prices with) and the 1.1B LLaMA planned with every codec allowed.
+Part ``budget`` (`benchmarks/gpu_budget.py`) runs each case in a fresh process, so the caching
+allocator starts empty under the allocator it asks for: SmolLM2's and the 1.1B's allocated and
+reserved peaks against the plan and the budget under torch's default allocator and expandable
+segments, the allocator model's reserved peak from each case's own trace (the traces come back
+as ``budget-<gpu>-*.pickle.gz``), a custom loop over six lengths, a budget of the card's free
+memory.
 Part ``first`` (`benchmarks/gpu_first.py`, ``make gpu-first``) is what a session lent a GPU runs
 first, from a bare machine, in one device call: environment, the kernel / codec / exactness tests
 on CUDA, codec bandwidth, step peaks against prediction and budget, and tokens/s against HF's
@@ -152,7 +159,7 @@ def check_environment(results: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["first", "codecs", *map(str, sorted(PARTS))])
+    p.add_argument("--part", choices=["first", "codecs", "budget", *map(str, sorted(PARTS))])
     p.add_argument("--list", action="store_true", help="print the parts and their commands")
     p.add_argument(
         "--smoke", action="store_true", help="tiny sizes, any device (checks the driver)"
@@ -163,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print("part first: the first GPU check (benchmarks/gpu_first.py)")
         print("part codecs: codec backends, the device's throughputs, plans with codecs allowed")
+        print("part budget: budgets against reserved memory, each case in a fresh process")
         for k, (what, module, _) in PARTS.items():
             line = f"part {k}: {what}"
             if module:
@@ -171,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         return 0
     if args.part is None:
-        p.error("give --part first|N (or --list)")
-    if args.part in ("first", "codecs"):
-        from benchmarks import gpu_codecs, gpu_first
+        p.error("give --part first|codecs|budget|N (or --list)")
+    if args.part in ("first", "codecs", "budget"):
+        from benchmarks import gpu_budget, gpu_codecs, gpu_first
 
         extra = ["--smoke"] if args.smoke else []
         tag = ["--tag", args.tag] if args.tag else []
-        driver = gpu_first if args.part == "first" else gpu_codecs
+        driver = {"first": gpu_first, "codecs": gpu_codecs, "budget": gpu_budget}[args.part]
         return driver.main(["--results", args.results, *tag, *extra])
     args.part = int(args.part)
     what, module, _ = PARTS[args.part]

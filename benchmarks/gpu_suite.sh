@@ -30,6 +30,12 @@
 #
 # Each part stops starting new work after 540 s (gpu_suite.py PART_LIMIT_S) and says so in its
 # JSON; `timeout` below is the backstop.
+#
+# Parts first, codecs and budget are drivers of their own (`bash benchmarks/gpu_suite.sh budget`
+# runs one; each fits one device call). Part budget (benchmarks/gpu_budget.py, <= 6 min) needs
+# only the PuLP wheel and writes to $OUT itself after every section: its JSON, the cases'
+# allocator snapshots in tars of at most 15 MiB (untar them into benchmarks/results) and their
+# logs; keep the console with `2>&1 | tee $OUT/budget-console.log`.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"

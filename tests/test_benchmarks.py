@@ -437,3 +437,52 @@ def test_codecs_gpu_check_fits_six_minutes_and_its_smoke_runs_every_section(tmp_
     plan = sec["plans"]["fractions"]["0.25"]
     assert plan["summary"] and plan["not_compressed"]
     assert plan["strategies"]["adacc"]["tokens_per_s"] > 0 and "grad_error_vs_hf_full" in plan
+
+
+def test_budget_gpu_check_runs_each_case_in_a_process_of_its_own_under_its_allocator(tmp_path):
+    """``gpu_suite.py --part budget --smoke``: the driver on CPU, tiny, no CUDA call: every case
+    is a process of its own with its allocator's variable set (and the other's not); on a CPU
+    (exact memory) the planned step's peak is within its prediction and the budget, the session
+    runs its three lengths, and the free-memory budget is read in the case's own process."""
+    import subprocess
+
+    from benchmarks import gpu_budget
+
+    assert sum(gpu_budget.SHARES_S.values()) == gpu_budget.TIME_LIMIT_S <= 6 * 60 - 40
+    # the free-memory batch: 10 B a row without checkpointing, 1 with HF full, 100 B free above
+    # 8 B static: 1.25 x 100 / 10 -> 13 rows (HF full's 0.8 x 108 - 8 B would allow 78)
+    prof = {"static_nbytes": 8, "rows": 4, "free_nbytes": 108}
+    prof["predicted_peak_nbytes"] = {"none": 8 + 4 * 10, "hf_full": 8 + 4 * 1}
+    assert gpu_budget.free_rows(prof) == 13
+    cmd = [sys.executable, "benchmarks/gpu_suite.py", "--part", "budget", "--smoke"]
+    proc = subprocess.run(
+        [*cmd, "--results", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((tmp_path / "budget-smoke.json").read_text())
+    sec = out["sections"]
+    assert list(sec) == ["profiles", "smollm2", "session", "free"]
+    assert not [n for n, r in sec.items() if "error" in r]
+    cases = {n: r for s in ("smollm2", "session", "free") for n, r in sec[s]["cases"].items()}
+    pids = [r["pid"] for r in [*cases.values(), *sec["profiles"]["models"].values()]]
+    assert len(set(pids)) == len(pids) == 5 and out["pid"] not in pids
+    for name, r in cases.items():
+        assert r["returncode"] == 0 and "error" not in r and r["steps"], name
+        env = r["environment"]
+        if r["allocator"] == "default":
+            assert env["ADACC_CUDA_ALLOCATOR"] == "default", name
+            assert env["PYTORCH_CUDA_ALLOC_CONF"] is None, name
+        else:
+            assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True", name
+            assert env["ADACC_CUDA_ALLOCATOR"] is None, name
+    lo, hi = sec["smollm2"]["window"]
+    adacc = cases["smollm2-adacc-f0.4-default"]
+    assert lo < adacc["budget_nbytes"] < hi and adacc["reserved_peak_nbytes"] is None
+    assert adacc["allocated_peak_nbytes"] <= adacc["predicted_peak_nbytes"]
+    assert adacc["predicted_peak_nbytes"] <= adacc["budget_nbytes"]
+    steps = cases["smollm2-session-expandable"]["steps"]
+    assert [s["seq_len"] for s in steps] == [32, 24, 32] and all(s["loss"] > 0 for s in steps)
+    free = cases["smollm2-free-adacc-b2-expandable"]
+    assert free["budget_nbytes"] == free["free_at_start_nbytes"] > 0
+    assert free["allocated_within_budget"]
+    assert not list(tmp_path.glob("*.pickle.gz"))  # no CUDA: no allocator trace
