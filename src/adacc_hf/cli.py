@@ -212,6 +212,7 @@ def plan_on_device(args: argparse.Namespace) -> int:
         offload=args.offload,
         codecs=args.codecs.split(",") if args.codecs else None,
         codec_speed=args.codec_speed,
+        expandable=args.allocator == "expandable",
     )
     lo, hi = p.window
     print(f"done in {time.perf_counter() - t0:.1f} s")
@@ -223,10 +224,16 @@ def plan_on_device(args: argparse.Namespace) -> int:
         print(p.policy.table())
         print(f"plan: {p.policy.summary()}")
     for s in p.steps.values():
-        fits = "" if s.peak_nbytes <= p.budget_nbytes else "  (over the budget)"
+        top = max(s.peak_nbytes, s.reserved_nbytes or 0)
+        fits = "" if top <= p.budget_nbytes else "  (over the budget)"
         print(
             f"  {s.label:22s} step {s.step_ms:8.1f} ms (host {s.host_ms:6.1f})  allocated peak "
-            f"{fb(s.peak_nbytes)}{fits}"
+            f"{fb(s.peak_nbytes)}, reserved {fb(s.reserved_nbytes or 0)}{fits}"
+        )
+    if p.reserve_nbytes:
+        print(
+            f"  planned with {fb(p.reserve_nbytes)} kept free for what the {args.allocator} "
+            "allocator reserves above the allocated peak"
         )
     if "adacc" in p.steps and "hf_full" in p.steps:
         print(
@@ -344,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
         help="on paper: price every codec at this fraction of a copy's bandwidth",
     )
     q.add_argument("--head", default="full", choices=["full", "chunked", "auto"])
+    q.add_argument(
+        "--allocator",
+        default="expandable",
+        choices=["expandable", "default"],
+        help="CUDA's caching allocator the reserved peak is modelled for (expandable: what "
+        "import adacc_hf sets where PYTORCH_CUDA_ALLOC_CONF is unset)",
+    )
     q.add_argument(
         "--offload", action=argparse.BooleanOptionalAction, default=None, help="on paper"
     )

@@ -66,18 +66,10 @@ def profiler_allocations(results: Any, device_type: str = "cpu") -> list[tuple[i
         ``(time ns, address, bytes)`` (negative bytes: a free) in time order, a free first among
         events of the same nanosecond, as ``runtime.peak.AllocationTracker`` replays them.
     """
-    from torch._C._profiler import _EventType
+    from ..runtime.peak import memory_events
 
-    allocs: list[tuple[int, int, int]] = []
-    stack = list(results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == device_type:
-            f = node.extra_fields
-            allocs.append((node.start_time_ns, int(f.ptr), int(f.alloc_size)))
-    allocs.sort(key=lambda a: (a[0], a[2]))
-    return allocs
+    allocs, _ = memory_events(results, lambda d: d.type == device_type)
+    return [(t, ptr, n) for t, ptr, n, _ in allocs]
 
 
 def allocation_events(allocs: Iterable[tuple[int, int, int]]) -> StepAllocations:

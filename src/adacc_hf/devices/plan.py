@@ -25,6 +25,7 @@ from ..runtime.peak import measure_step_peak
 from ..solver import estimate_static_memory
 from ..solver.window import min_budget, no_checkpoint_budget
 from .dryrun import DryRun, dry_run
+from .reserved import step_reserved
 from .roofline import Roofline
 from .table import DeviceTable, load_device
 
@@ -41,6 +42,8 @@ class StepModel:
     host_ms: float = 0.0  # of it, the host's time issuing ops
     kernels: int = 0
     trace: list = field(default_factory=list, repr=False)  # its ops (`dryrun.replay`)
+    # what CUDA's caching allocator would reserve at the step's highest (`reserved`)
+    reserved_nbytes: int | None = None
 
 
 @dataclass
@@ -56,6 +59,8 @@ class DevicePlan:
     steps: dict[str, StepModel] = field(default_factory=dict)
     static_nbytes: int = 0
     profile: Any = None  # the profile the plan was solved on (`schema.Profile`)
+    # kept free below the budget for what the allocator reserves above the allocated peak
+    reserve_nbytes: int = 0
 
     def speedup(self, name: str = "adacc", over: str = "hf_full") -> float:
         """Step-time ratio ``over / name`` (above 1: `name` is faster)."""
@@ -107,10 +112,16 @@ def _step(model: nn.Module, batch: Mapping[str, Any], opt: torch.optim.Optimizer
 
 
 def model_step(
-    mode: DryRun, label: str, model: nn.Module, batch: Mapping[str, Any], opt: Any
+    mode: DryRun,
+    label: str,
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    opt: Any,
+    expandable: bool = True,
 ) -> StepModel:
     """One step of `model` as it is now, run dry on `mode`'s clock (a first step makes the
-    optimizer's states), then its allocated peak metered as a GPU run measures it."""
+    optimizer's states), then its allocated peak metered as a GPU run measures it, and its
+    reserved peak under CUDA's caching allocator (`expandable` segments or not) predicted."""
     _step(model, batch, opt)
     mode.synchronize()  # timed as a benchmark times it: synchronised before and after
     t0, k0 = mode.clock(), mode.kernels
@@ -123,6 +134,10 @@ def model_step(
     mode.synchronize()
     step = StepModel(label, (mode.clock() - t0) * 1e3, 0, host_ms, mode.kernels - k0, trace)
     step.peak_nbytes = measure_step_peak(model, batch, opt).peak_nbytes
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    step.reserved_nbytes = step_reserved(
+        model, lambda: _step(model, batch, opt), opt, tensors, expandable=expandable
+    ).reserved
     return step
 
 
@@ -159,6 +174,7 @@ def plan_for_device(
     codec_speed: float | None = None,
     steps: tuple[str, ...] = ("none", "hf_full", "adacc"),
     solve: bool = True,
+    expandable: bool = True,
 ) -> DevicePlan:
     """Profile, solve and run `model`'s step on paper for `device` (a table's name, or a table).
 
@@ -178,8 +194,14 @@ def plan_for_device(
             instead of its measured backends (what a faster codec would buy).
         steps: Which steps to run dry (``none``, ``hf_full``, ``adacc``).
         solve: Plan Adacc (profile and solve); False: the baseline steps alone.
+        expandable: CUDA's allocator with expandable segments (what ``import adacc_hf`` sets
+            where the user configured nothing) or its default. The plan's step is replayed
+            through the allocator's model (`reserved`); where it would reserve more than the
+            budget, the plan is solved again with what it reserved above its allocated peak
+            kept free (until it fits, or only full recomputation is left).
     """
     from ..integrations.config import AdaccConfig
+    from ..integrations.guard import MARGIN
     from ..integrations.session import AdaccSession
     from ..profiler import profile_model
 
@@ -192,11 +214,13 @@ def plan_for_device(
     with dry_run(roofline) as mode, torch.random.fork_rng(devices=[]):
         static = estimate_static_memory(model, optimizer=optimizer)
         if "none" in steps:
-            out["none"] = model_step(mode, "no checkpointing", model, batch, opt)
+            out["none"] = model_step(mode, "no checkpointing", model, batch, opt, expandable)
         if "hf_full" in steps:
             _full_checkpointing(model, True)
             try:
-                out["hf_full"] = model_step(mode, "HF full checkpointing", model, batch, opt)
+                out["hf_full"] = model_step(
+                    mode, "HF full checkpointing", model, batch, opt, expandable
+                )
             finally:
                 _full_checkpointing(model, False)
         if not solve:
@@ -227,15 +251,23 @@ def plan_for_device(
         cfg.budget = int(budget)
         session = AdaccSession(model, cfg)
         session.static = static
-        policy = session.solve_measured(copy.deepcopy(profile), probes)
+        reserve = 0
+        for _ in range(6):
+            policy = session.solve_measured(copy.deepcopy(profile), probes, reserve)
+            if "adacc" not in steps:
+                break
+            with apply_adacc(model, policy, host_cap=None):
+                step = out["adacc"] = model_step(mode, "Adacc", model, batch, opt, expandable)
+            reserved = step.reserved_nbytes or 0
+            if reserved <= budget or budget - reserve <= lo:
+                break
+            # keep free what the allocator reserves above this plan's allocated peak
+            reserve = max(reserve + MARGIN, reserved - step.peak_nbytes + MARGIN)
         pred = policy.metadata.get("predicted", {})
         base = out.get("none")
         predicted_ms = None
         if base is not None and pred.get("added_ms") is not None:
             predicted_ms = base.step_ms + max(0.0, float(pred["added_ms"]))
-        if "adacc" in steps:
-            with apply_adacc(model, policy, host_cap=None):
-                out["adacc"] = model_step(mode, "Adacc", model, batch, opt)
     return DevicePlan(
         device=table.label,
         budget_nbytes=int(budget),
@@ -246,4 +278,5 @@ def plan_for_device(
         steps=out,
         static_nbytes=static.total,
         profile=profile,
+        reserve_nbytes=reserve,
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,37 @@ class StepPeak:
     device: str = "cpu"
     how: str = ""
     reserved_peak_nbytes: int | None = None  # CUDA: the allocator's highest reserved bytes
+
+
+def memory_events(
+    results: Any, ours: Callable[[torch.device], bool]
+) -> tuple[list[tuple[int, int, int, int]], list[tuple[str, int]]]:
+    """The allocator events of a finished ``torch.profiler`` run (``profile_memory=True``) on the
+    devices `ours` accepts, and the tracker's marks.
+
+    Returns:
+        ``(time ns, address, bytes, reserved bytes)`` in time order (negative bytes: a free; a
+        free first among events of the same nanosecond), and ``(mark name, time ns)``.
+    """
+    from torch._C._profiler import _EventType
+
+    allocs: list[tuple[int, int, int, int]] = []
+    marks: list[tuple[str, int]] = []
+    stack = list(results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            f = node.extra_fields
+            if ours(f.device):
+                allocs.append(
+                    (node.start_time_ns, int(f.ptr), int(f.alloc_size), int(f.total_reserved))
+                )
+        elif node.name.startswith(_MARK):
+            marks.append((node.name[len(_MARK) :], node.start_time_ns))
+    allocs.sort(key=lambda a: (a[0], a[2]))
+    marks.sort(key=lambda m: m[1])
+    return allocs, marks
 
 
 class AllocationTracker:
@@ -118,22 +149,11 @@ class AllocationTracker:
         )
 
     def _replay(self, results: Any) -> None:
-        from torch._C._profiler import _EventType
-
-        allocs: list[tuple[int, int, int]] = []
-        stack = list(results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children)
-            if node.tag == _EventType.Allocation:
-                f = node.extra_fields
-                if self._ours(f.device):
-                    allocs.append((node.start_time_ns, int(f.alloc_size), int(f.total_reserved)))
-            elif node.name.startswith(_MARK):
-                self._mark_times.setdefault(node.name[len(_MARK) :], node.start_time_ns)
-        allocs.sort()
+        allocs, marks = memory_events(results, self._ours)
+        for name, t in marks:
+            self._mark_times.setdefault(name, t)
         level = 0
-        for t, n, reserved in allocs:
+        for t, _, n, reserved in allocs:
             level += n
             self._times.append(t)
             self._levels.append(level)
