@@ -120,9 +120,15 @@ def profile_case(spec: Mapping[str, Any], device: torch.device, out: dict[str, A
     free = free_nbytes(device)
     model, opt, static = build(spec, device)
     batch = make_batch(model, spec["rows"], spec["seq"])
+    user_peak = None
+    if device.type == "cuda":  # a user's peak statistic, set high before profiling
+        torch.empty(int(0.6 * free_nbytes(device)), dtype=torch.uint8, device=device)
+        user_peak = torch.cuda.max_memory_allocated(device)
     t0 = time.perf_counter()
     session = prepare(model, free, batch, optimizer=opt, adaptive=False)
     profile_s = time.perf_counter() - t0
+    if user_peak is not None:  # profiling resets nobody's statistics (issue 52)
+        out["user_peak_kept"] = torch.cuda.max_memory_allocated(device) == user_peak
     path = Path(spec["profiles"])
     path.mkdir(parents=True, exist_ok=True)
     with open(path / PROFILES_FILE, "w", encoding="utf-8") as f:
