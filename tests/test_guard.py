@@ -110,4 +110,9 @@ def test_a_step_reserving_over_the_budget_replans_its_bucket_with_the_overshoot_
     # loaded CPU keeping ops can price above recomputing them)
     session.step_done(2)
     assert session.events[-1].kind != "guard"  # within the budget now: nothing more
+    # a bucket planned later starts with what the guard learned the allocator adds
+    shorter = assets.tiny_batch("llama", model, batch_size=4, seq_len=32)
+    model(**shorter).loss.backward()  # its forward plans the new bucket
+    assert session.current.key != plan.key
+    assert session.current.reserve_nbytes == plan.reserve_nbytes
     session.close()

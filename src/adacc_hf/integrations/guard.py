@@ -6,8 +6,10 @@ segments and fragmentation that no profile of one block sees. After a step, the 
 reserved bytes (a host counter, `runtime.allocator.reserved_nbytes`: no device sync, no reset of
 anyone's peak statistics) are that step's highest. When they exceed the budget, the bucket that
 just ran is planned again with the overshoot (and a margin) kept free, the allocator's cache is
-emptied so the new plan's smaller footprint can show, and an event is logged. Off CUDA (exact
-accounting) the guard does nothing.
+emptied so the new plan's smaller footprint can show, and an event is logged. Buckets planned
+later start with the largest reserve a re-plan kept free (the allocator's overshoot is the
+device's, not one bucket's: a loop of new lengths would otherwise run each first step over). Off
+CUDA (exact accounting) the guard does nothing.
 
 `DerivedCheck` watches the first step of a bucket whose memory was interpolated rather than
 measured (`profiler.derive`): the highest bytes allocated over that step (its allocation events,
@@ -41,6 +43,8 @@ class ReservedGuard:
     def __init__(self, read: Callable[[torch.device], int | None] = reserved_nbytes) -> None:
         self.read = read
         self.replans = 0
+        # the largest reserve a re-plan kept free: a bucket planned from then on starts with it
+        self.learned_nbytes = 0
 
     def check(
         self,
@@ -62,6 +66,7 @@ class ReservedGuard:
             return None
         over = reserved - budget + MARGIN
         plan.reserve_nbytes += over
+        self.learned_nbytes = max(self.learned_nbytes, plan.reserve_nbytes)
         plan.stale = True
         self.replans += 1
         if device.type == "cuda":

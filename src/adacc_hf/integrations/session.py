@@ -150,7 +150,7 @@ class AdaccSession(StepHooks):
 
     def _replan(self, batch: Mapping[str, Any], key: ShapeKey, plan: Plan | None) -> Plan:
         probes: dict[str, BlockProbe] = {}
-        reserve = plan.reserve_nbytes if plan is not None else 0
+        reserve = plan.reserve_nbytes if plan is not None else self.guard.learned_nbytes
         room = self.profiling_room(batch)
         if plan is not None:
             profile = plan.profile
