@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.peak import optimizer_tensors, plain_tensors
+from ..runtime.peak import optimizer_tensors, plain_tensors, quantization_tensors
 from .allocations import Event, record_allocations
 from .caching_allocator import AllocatorPeaks, replay
 
@@ -65,6 +65,7 @@ def step_reserved(
             *params,
             *(p.grad for p in params),
             *model.buffers(),
+            *quantization_tensors(model),
             *(optimizer_tensors(optimizer) if optimizer is not None else ()),
             *batch,
         ]

@@ -246,19 +246,49 @@ def optimizer_tensors(optimizer: Any) -> Iterator[Any]:
         yield from state.values() if isinstance(state, dict) else [state]
 
 
+def _state_tensors(state: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors of a bitsandbytes ``QuantState`` (``absmax``, ``code``, ``offset``) and of
+    its nested ``state2`` (double quantisation), read by attribute."""
+    if state is None or depth > 2:
+        return
+    for name in ("absmax", "code", "offset"):
+        t = getattr(state, name, None)
+        if isinstance(t, torch.Tensor):
+            yield t
+    yield from _state_tensors(getattr(state, "state2", None), depth + 1)
+
+
+def quantization_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors a quantised weight holds outside the parameter itself, resident all run as the
+    parameters are: a bitsandbytes 4-bit weight's quantisation state (per-block absmax, code
+    tables, the nested state of double quantisation) and an 8-bit weight's per-row scales
+    (``SCB``; ``CB`` is the parameter's own storage). Neither parameters nor buffers, so
+    ``model.parameters()`` misses them."""
+    out: list[torch.Tensor] = []
+    for p in model.parameters():
+        out.extend(_state_tensors(getattr(p, "quant_state", None)))
+        for name in ("SCB", "CB"):
+            t = getattr(p, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
 def live_state_nbytes(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     tensors: Sequence[Any] = (),
 ) -> int:
-    """Bytes of the storages a training step starts with: parameters, buffers, gradients,
-    optimizer state and `tensors` (the batch), each storage once."""
+    """Bytes of the storages a training step starts with: parameters, buffers, quantised
+    weights' states (`quantization_tensors`), gradients, optimizer state and `tensors` (the
+    batch), each storage once."""
     params = list(model.parameters())
     return storage_nbytes(
         [
             *params,
             *(p.grad for p in params),
             *model.buffers(),
+            *quantization_tensors(model),
             *(optimizer_tensors(optimizer) if optimizer is not None else ()),
             *tensors,
         ]

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from ..errors import BudgetError
-from ..runtime.peak import optimizer_tensors, storage_nbytes
+from ..runtime.peak import optimizer_tensors, quantization_tensors, storage_nbytes
 from ..units import fmt_bytes
 from .engines import EngineMemory, engine_memory
 
@@ -158,7 +158,7 @@ class StaticMemory:
     num_params: int = 0
     num_trainable: int = 0
     note: str = ""
-    buffers: int = 0  # model buffers (rotary tables, position ids)
+    buffers: int = 0  # model buffers (rotary tables, position ids), quantised weights' states
     optimizer_step: int = 0  # temporaries alive inside optimizer.step()
     comm: int = 0  # communication buffers held all step (DDP's gradient buckets)
     engine: EngineMemory | None = None  # FSDP2 / ZeRO-2 / ZeRO-3 per-moment rules (`engines`)
@@ -353,6 +353,14 @@ def estimate_static_memory(
     if offload_optimizer:
         states = master = step = 0
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    # Quantised weights' states (bitsandbytes absmax / code tables / 8-bit row scales), each
+    # storage once and none a parameter's (an 8-bit weight's ``CB`` is its own data).
+    held = {(str(p.device), p.untyped_storage().data_ptr()) for p in model.parameters()}
+    buffers += storage_nbytes(
+        t
+        for t in quantization_tensors(model)
+        if (str(t.device), t.untyped_storage().data_ptr()) not in held
+    )
     grads = shard(grads, stage >= 2)
     comm = grads if ddp and world_size > 1 else 0
     if zero_stage == 3 and not offload_optimizer:  # the flat gradient-partition buffer
