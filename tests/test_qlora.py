@@ -133,6 +133,16 @@ def pad_collate(pad_id: int) -> Callable[[list[dict]], Batch]:
     return collate
 
 
+def repacked_for_inference(model) -> list[str]:
+    """4-bit weights bitsandbytes repacked for CPU inference (at an eval-mode forward without
+    gradients on an AVX512-BF16 CPU): that format's matmul (``gemv_4bit``) has no backward."""
+    return [
+        n
+        for n, p in model.named_parameters()
+        if getattr(getattr(p, "quant_state", None), "packing_format_for_cpu", False)
+    ]
+
+
 def hf_checkpointed_step(model, batch):
     """One step under HF's own checkpointing (``use_reentrant=False``)."""
     on = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.23
@@ -180,6 +190,7 @@ def test_retain_and_recompute_match_hf_checkpointing_bit_for_bit(dense_dir, sett
         assert torch.equal(loss, ref_loss), (action, loss, ref_loss)
         assert grads.keys() == ref_grads.keys()
         assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads), action
+    assert not repacked_for_inference(model)
 
 
 @pytest.mark.parametrize(
@@ -237,6 +248,7 @@ def train_metered(trainer, model, callback) -> tuple[list[int], list[int]]:
         trainer.add_callback(predicted)
         trainer.train()
     callback.session.close()
+    assert not repacked_for_inference(model)  # profiling ran no eval-mode forward
     return steps.peaks, predicted.peaks
 
 
@@ -324,4 +336,5 @@ def test_prepare_in_a_custom_loop_meets_its_predictions(dense_dir):
             measured.append(meter.reset_peak())
             del batch
     session.close()
+    assert not repacked_for_inference(model)
     check_steps(measured, predicted, budget)
