@@ -35,6 +35,7 @@ from adacc_hf import (
     uniform_policy,
 )
 from adacc_hf.runtime.peak import live_state_nbytes, quantization_tensors, storage_nbytes
+from adacc_hf.runtime.quantized import repacked_for_inference
 from adacc_hf.solver import budget_between
 
 peft = pytest.importorskip("peft")
@@ -131,16 +132,6 @@ def pad_collate(pad_id: int) -> Callable[[list[dict]], Batch]:
         }
 
     return collate
-
-
-def repacked_for_inference(model) -> list[str]:
-    """4-bit weights bitsandbytes repacked for CPU inference (at an eval-mode forward without
-    gradients on an AVX512-BF16 CPU): that format's matmul (``gemv_4bit``) has no backward."""
-    return [
-        n
-        for n, p in model.named_parameters()
-        if getattr(getattr(p, "quant_state", None), "packing_format_for_cpu", False)
-    ]
 
 
 def hf_checkpointed_step(model, batch):
@@ -338,3 +329,25 @@ def test_prepare_in_a_custom_loop_meets_its_predictions(dense_dir):
     session.close()
     assert not repacked_for_inference(model)
     check_steps(measured, predicted, budget)
+
+
+def test_a_weight_repacked_for_inference_stops_training_with_what_to_do(dense_dir):
+    """An eval-mode forward without gradients makes bitsandbytes repack 4-bit weights for CPU
+    inference on an AVX512-BF16 CPU (their matmul then has no backward): the next training
+    forward under adacc raises, naming the cure, instead of training on wrong gradients."""
+    from adacc_hf import prepare
+    from adacc_hf.errors import AdaccError
+
+    model = qlora(dense_dir)
+    batch = text_batch(dense_dir)
+    session = prepare(model, budget_at(model, batch), batch, adaptive=False, codecs=[])
+    model.eval()
+    with torch.no_grad():
+        model(**batch)
+    model.train()
+    if not repacked_for_inference(model):
+        session.close()
+        pytest.skip("this CPU's bitsandbytes does not repack 4-bit weights for inference")
+    with pytest.raises(AdaccError, match="model.train\\(\\) before any forward"):
+        model(**batch)
+    session.close()

@@ -31,6 +31,7 @@ from ..runtime.capacity import oom_count
 from ..runtime.checkpoint import own_eager_runs
 from ..runtime.context import outside_autocast
 from ..runtime.peak import live_state_nbytes
+from ..runtime.quantized import check_trainable
 from ..schema import Profile
 from ..solver import (
     StaticMemory,
@@ -253,6 +254,7 @@ class AdaccSession(StepHooks):
         if self._hook is not None:
             return
         self.model.__dict__["_adacc_session"] = self
+        quantized = [p for p in self.model.parameters() if hasattr(p, "quant_state")]
 
         def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             if not module.training or self._planning:  # evaluation, or our own profiling forwards
@@ -266,6 +268,8 @@ class AdaccSession(StepHooks):
             if args:
                 batch.setdefault("input_ids", args[0])
             self.check_oom()
+            if any(getattr(p.quant_state, "packing_format_for_cpu", False) for p in quantized):
+                check_trainable(self.model)  # bitsandbytes' inference repack: no backward
             if self.config.autocast is None and not self.fixed:
                 self.follow_autocast()
             with own_eager_runs():
