@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.peak import optimizer_tensors, plain_tensors, quantization_tensors
+from ..runtime.peak import plain_tensors, resident_tensors
 from .allocations import Event, record_allocations
 from .caching_allocator import AllocatorPeaks, replay
 
@@ -59,16 +59,6 @@ def step_reserved(
         The replay's peaks: ``reserved`` is the step's predicted reserved peak, the storages it
         started with included.
     """
-    params = list(model.parameters())
-    resident = resident_events(
-        [
-            *params,
-            *(p.grad for p in params),
-            *model.buffers(),
-            *quantization_tensors(model),
-            *(optimizer_tensors(optimizer) if optimizer is not None else ()),
-            *batch,
-        ]
-    )
+    resident = resident_events(resident_tensors(model, optimizer, list(batch)))
     rec = record_allocations(step)
     return replay([*resident, *rec.events], expandable=expandable)

@@ -274,25 +274,31 @@ def quantization_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def resident_tensors(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    tensors: Sequence[Any] = (),
+) -> list[Any]:
+    """What a training step starts with: parameters, gradients, buffers, quantised weights'
+    states (`quantization_tensors`), optimizer state and `tensors` (the batch)."""
+    params = list(model.parameters())
+    return [
+        *params,
+        *(p.grad for p in params),
+        *model.buffers(),
+        *quantization_tensors(model),
+        *(optimizer_tensors(optimizer) if optimizer is not None else ()),
+        *tensors,
+    ]
+
+
 def live_state_nbytes(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     tensors: Sequence[Any] = (),
 ) -> int:
-    """Bytes of the storages a training step starts with: parameters, buffers, quantised
-    weights' states (`quantization_tensors`), gradients, optimizer state and `tensors` (the
-    batch), each storage once."""
-    params = list(model.parameters())
-    return storage_nbytes(
-        [
-            *params,
-            *(p.grad for p in params),
-            *model.buffers(),
-            *quantization_tensors(model),
-            *(optimizer_tensors(optimizer) if optimizer is not None else ()),
-            *tensors,
-        ]
-    )
+    """Bytes of the storages a training step starts with (`resident_tensors`), each once."""
+    return storage_nbytes(resident_tensors(model, optimizer, tensors))
 
 
 def loss_of(out: Any) -> torch.Tensor:
