@@ -91,7 +91,11 @@ def test_reserve_grows_past_the_missing_bytes_and_doubles():
     assert grown_reserve(0, budget, static, "") >= (budget - static) // 10
 
 
-@pytest.mark.parametrize("trainer_cls", [AdaccTrainer, Trainer], ids=["AdaccTrainer", "Trainer"])
+@pytest.mark.parametrize(
+    "trainer_cls",
+    [AdaccTrainer, pytest.param(Trainer, marks=pytest.mark.slow)],  # the same retry: 40 s
+    ids=["AdaccTrainer", "Trainer"],
+)
 def test_a_plan_that_under_predicts_is_replanned_and_the_step_rerun_exactly(
     tmp_path, caplog, trainer_cls
 ):

@@ -331,6 +331,7 @@ def test_prepare_in_a_custom_loop_meets_its_predictions(dense_dir):
     check_steps(measured, predicted, budget)
 
 
+@pytest.mark.slow  # 40 s
 def test_a_weight_repacked_for_inference_stops_training_with_what_to_do(dense_dir):
     """An eval-mode forward without gradients makes bitsandbytes repack 4-bit weights for CPU
     inference on an AVX512-BF16 CPU (their matmul then has no backward): the next training
