@@ -21,9 +21,12 @@ times, over the plain block compiled: a compiled graph recomputes only what back
 fuses the rest (llama-cpu: the MLP's down projection, 1.7 ms eager, costs nothing compiled).
 
 Inside a budget (``room``: the bytes profiling may add), a table whose run is predicted not to fit
-(`run_nbytes`: everything the plain block saves, its backward transient, its gradients and its
-output's) is skipped: the step model then counts the table unmeasured, from its kept bytes and
-workspaces, which is the conservative side.
+(`table_nbytes`: its block's input, output and gradients, and its peaks as the step model
+estimates them unmeasured) is skipped: the step model then counts the table unmeasured, from its
+kept bytes, staged copies and workspaces, mostly the conservative side (plans that offload ops
+were predicted up to 22 % over their step so). Timing runs the plain block too: where that does
+not fit (`run_nbytes`: everything the plain block saves, its backward transient, its gradients and
+its output's), a measured table is priced by its ops.
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import PolicyError
 from ..runtime.checkpoint import own_eager_runs
 from ..runtime.context import autocast_context, detached_input
 from ..runtime.memory import StorageRecorder, young_objects
 from ..runtime.peak import AllocationTracker
 from ..schema import OpSpec, Profile, Variant, variant_key
+from ..solver.cost_model import variant_load
+from ..solver.loads import unmeasured_peaks
 from .calibrate import MIN_ROUNDS, added_ms, interleaved_ms, table_runtimes
 
 FULL_RECOMPUTE = Variant(1, True, {})
@@ -256,6 +262,22 @@ def run_nbytes(profile: Profile, group: str) -> int:
     )
 
 
+def table_nbytes(profile: Profile, group: str, variant: Variant) -> int:
+    """What measuring `variant`'s memory on `group`'s block alone (full recomputation's too, the
+    base of its differences) may add: the block's input and output, their gradients and
+    its parameters', and the higher of its forward and backward peaks as the step model estimates
+    a table it has not measured (`solver.loads.unmeasured_peaks`). No plain block runs there (only
+    timing runs one, `run_nbytes`), so a table the budget leaves room to measure but not to time
+    is measured, and priced by its ops."""
+    g = profile.groups[group]
+    try:
+        load, _, _ = variant_load(profile, group, variant)
+    except PolicyError:  # it offloads, but the profile has no host link: the plain run's bound
+        return run_nbytes(profile, group)
+    edges = 2 * (g.input_nbytes + g.output_nbytes) + g.grad_nbytes
+    return edges + max(unmeasured_peaks(load, g))  # full recomputation's peaks are below
+
+
 def _levels(
     probe: BlockProbe,
     variant: Variant,
@@ -302,7 +324,11 @@ def measure_variants(
             probe = probes.get(group)
             if probe is None or key in profile.variant_transients or not variant.checkpoint:
                 continue
-            if room is not None and group in profile.groups and run_nbytes(profile, group) > room:
+            if (
+                room is not None
+                and group in profile.groups
+                and table_nbytes(profile, group, variant) > room
+            ):
                 continue
             g = profile.groups.get(group)
             later = later_input(probe, g.num_blocks if g is not None else 1)
@@ -315,6 +341,8 @@ def measure_variants(
             profile.variant_transients[key] = [a - b for a, b in zip(m, base, strict=True)]
             new.setdefault(group, {})[key] = variant
     for group, timed in new.items():
+        if room is not None and group in profile.groups and run_nbytes(profile, group) > room:
+            continue  # the plain block it is timed against does not fit: priced by its ops
         ms = variant_times(probes[group], list(timed.values()), autocast, rounds, compile)
         profile.variant_ms.update(zip(timed, ms, strict=True))
     return sum(len(t) for t in new.values())

@@ -22,7 +22,7 @@ the solver then checks the whole step's peak of each candidate and adjusts the c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..codecs import dtype_named, get_codec
 from ..errors import PolicyError
@@ -39,10 +39,10 @@ from ..schema import (
     variant_key,
 )
 from .head_moments import head_shift
+from .loads import BlockLoad
 from .offload import INPUT, STAGED_BLOCKS, copy_ms, exposed_ms, staging
 from .static import StaticMemory
 from .step import (
-    BlockLoad,
     StepEstimate,
     checkpointed_nbytes,
     held_in_order,
@@ -294,57 +294,72 @@ def block_loads(
             if not v.checkpoint:
                 blocks += [BlockLoad(name, g.full_nbytes, False)] * v.count
                 continue
-            b, t = g.input_nbytes, [g.fixed_ms]
-            kept = kept_saved = kept_shared = enc_ws = dec_ws = rng = 0
-            copies = []  # bytes of each offloaded op (and of the input), out and back
-            if v.offload_input:
-                b -= g.input_nbytes
-                copies.append(g.input_nbytes)
-            if any(a.kind != "recompute" for a in v.actions.values()):
-                t.append(dispatch_ms(g))
-            for op in g.ops:
-                if not op.cacheable:
-                    continue
-                act = v.action(op.key)
-                rng += op.rng_nbytes if act.kind != "recompute" else 0
-                if act.kind == "retain":
-                    b += op.retain_nbytes
-                    kept += op.retain_nbytes
-                    kept_saved += op.retain_nbytes if op.saved else 0
-                    kept_shared += op.shared_nbytes
-                    continue
-                if act.kind == "recompute":
-                    t.append(op.fwd_ms)
-                    continue
-                size = op.nbytes  # offloaded as it is
-                if act.codec in op.codecs:
-                    cp = op.codecs[act.codec]
-                    size = cp.nbytes + op.side_nbytes
-                    t.append(cp.ms)
-                    enc_ws = max(enc_ws, cp.encode_workspace_nbytes)
-                    dec_ws = max(dec_ws, cp.decode_workspace_nbytes)
-                elif act.codec is not None:
-                    codec = get_codec(act.codec, **act.codec_kwargs)
-                    size = codec.predict_nbytes(op.shape, dtype_named(op.dtype)) + op.side_nbytes
-                    unprofiled.append(f"{name}/{op.key}:{act.codec}")
-                if act.offloaded:
-                    copies.append(size)
-                else:
-                    b += size
-            key = variant_key(name, v)
-            b = compiled_held(profile, g, key, b)
-            parked = sum(copies)
-            if copies:
-                link = _link_of(profile, name)
-                t += [copy_ms(link, c) for c in copies] + [exposed_ms(link, g, parked)]
-            load = BlockLoad(
-                name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key, rng, parked
-            )
+            load, t, unknown = variant_load(profile, name, v)
+            unprofiled += unknown
             blocks += [load] * v.count
-            timed = profile.variant_ms.get(key) if measured_ms else None
+            timed = profile.variant_ms.get(load.variant) if measured_ms else None
             ms.append((math.fsum(t) if timed is None else timed) * v.count)
         loads[name] = blocks
     return loads, math.fsum(ms), sorted(set(unprofiled))
+
+
+def variant_load(
+    profile: Profile, name: str, v: Variant
+) -> tuple[BlockLoad, list[float], list[str]]:
+    """One checkpointed block of group `name` under `v`'s action table: its load, the per-op
+    times it adds (summed by the caller) and the codecs sized but not timed."""
+    g = profile.groups[name]
+    unprofiled: list[str] = []
+    b, t = g.input_nbytes, [g.fixed_ms]
+    kept = kept_saved = kept_shared = enc_ws = dec_ws = rng = 0
+    copies = []  # bytes of each offloaded op (and of the input), out and back
+    if v.offload_input:
+        b -= g.input_nbytes
+        copies.append(g.input_nbytes)
+    modes = any(a.kind != "recompute" for a in v.actions.values())  # it runs the dispatch modes
+    if modes:
+        t.append(dispatch_ms(g))
+    for op in g.ops:
+        if not op.cacheable:
+            continue
+        act = v.action(op.key)
+        rng += op.rng_nbytes if act.kind != "recompute" else 0
+        if act.kind == "retain":
+            b += op.retain_nbytes
+            kept += op.retain_nbytes
+            kept_saved += op.retain_nbytes if op.saved else 0
+            kept_shared += op.shared_nbytes
+            continue
+        if act.kind == "recompute":
+            t.append(op.fwd_ms)
+            continue
+        size = op.nbytes  # offloaded as it is
+        if act.codec in op.codecs:
+            cp = op.codecs[act.codec]
+            size = cp.nbytes + op.side_nbytes
+            t.append(cp.ms)
+            # an encoded copy to the host holds its payload on the device until it is parked
+            parking = size if act.offloaded else 0
+            enc_ws = max(enc_ws, cp.encode_workspace_nbytes + parking)
+            dec_ws = max(dec_ws, cp.decode_workspace_nbytes)
+        elif act.codec is not None:
+            codec = get_codec(act.codec, **act.codec_kwargs)
+            size = codec.predict_nbytes(op.shape, dtype_named(op.dtype)) + op.side_nbytes
+            unprofiled.append(f"{name}/{op.key}:{act.codec}")
+        if act.offloaded:
+            copies.append(size)
+        else:
+            b += size
+    key = variant_key(name, v)
+    b = compiled_held(profile, g, key, b)
+    parked = sum(copies)
+    if copies:
+        link = _link_of(profile, name)
+        t += [copy_ms(link, c) for c in copies] + [exposed_ms(link, g, parked)]
+    inp = g.input_nbytes if v.offload_input else 0
+    load = BlockLoad(name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key, rng, parked)
+    load = replace(load, modes=modes, input_parked=inp)
+    return load, t, unprofiled
 
 
 def plan_key_of(profile: Profile, policy: Policy) -> str:

@@ -23,11 +23,16 @@ gradient accumulation the Trainer fetches every micro-batch of a step before the
 `batches_nbytes`); ``d_i`` = what
 block i holds under the policy minus what it holds under full recomputation (its checkpoint's
 frame included: the generator state stashed for recompute, ``frame_nbytes``); ``f_i`` = ``d_i`` less
-a plain block's parameter casts (autocast's cache holds them through forward under any policy). A checkpointed
-block's transients are the measured ones, plus in forward what it keeps (minus in backward: its
-recompute hands kept outputs back instead of rerunning them, though one unsaved output at a time
-may still be rerun), plus its codecs' encode / decode workspace; a plain block's are the measured
-plain ones. With gradient accumulation every gradient is alive from the second micro-batch on.
+a plain block's parameter casts (autocast's cache holds them through forward under any policy),
+and while the blocks' forward runs plus the first block's input where it is offloaded (the model's
+forward may hold its embeddings: LLaMA's `inputs_embeds`). A checkpointed block's transients are
+full recomputation's measured ones moved by its action table's measured difference
+(`profiler.variants`, within the room the budget leaves); a table not measured is estimated
+(`loads`): in forward plus what it retains and its codecs' encode workspace, in backward plus its
+decode workspace and all it staged back (its recompute hands kept and staged outputs back
+instead of rerunning them, which only lowers the transient: not counted, so an offloading plan
+may be predicted a fifth over); a plain block's are the measured plain ones. With gradient
+accumulation every gradient is alive from the second micro-batch on.
 A profile without a measured timeline (synthetic ones) gets one synthesised from its fields.
 ``h_f`` / ``h_b``: the chosen way of running the LM head and loss (`Profile.heads`, measured
 alone) minus the model's own, which the timeline measured: its forward and backward peaks.
@@ -41,26 +46,9 @@ from dataclasses import dataclass, field
 from ..schema import ALWAYS_RETAIN, GroupProfile, Profile, Timeline
 from .engines import EngineExtras, engine_extras
 from .head_moments import forward_end, head_peaks
+from .loads import BlockLoad, backward_transient, forward_transient
 from .offload import staged_ahead
 from .static import StaticMemory
-
-
-@dataclass(frozen=True)
-class BlockLoad:
-    """One block as the step sees it: what it holds, whether it is checkpointed, what it keeps of
-    its op outputs, and its codecs' largest encode / decode workspace."""
-
-    group: str
-    held: int
-    checkpoint: bool
-    kept: int = 0  # outputs kept (retained) beyond what full recomputation holds
-    kept_saved: int = 0  # of them, outputs autograd saves (not rematerialised by the recompute)
-    kept_shared: int = 0  # kept outputs that are the block's output (held anyway in forward)
-    encode_workspace: int = 0
-    decode_workspace: int = 0
-    variant: str = ""  # its action table's key in ``Profile.variant_transients``
-    rng: int = 0  # generator states its kept random ops hold (not in `held`: no recorder sees them)
-    parked: int = 0  # offloaded to host memory (its input and ops): staged back in backward
 
 
 @dataclass
@@ -127,32 +115,6 @@ def synthesised_timeline(profile: Profile) -> Timeline:
         tail_peak=all_grads + before + profile.tail_transient_nbytes,
         grads=grads,
     )
-
-
-def _forward_transient(
-    b: BlockLoad, g: GroupProfile, measured: int, deltas: dict, lag: bool = False
-) -> int:
-    """Measured under full recomputation, plus the difference its action table makes (measured,
-    `profiler.variants`), or else everything the block keeps (it accumulates while the block
-    runs) and its codecs' encode workspace; with copies to the host that lag behind the block
-    (`lag`: a side stream), what it offloads too (each device copy lives until its copy is done)."""
-    if not b.checkpoint:
-        return g.plain_forward_transient_nbytes
-    late = b.parked if lag else 0
-    if b.variant in deltas:
-        return max(0, measured + deltas[b.variant][0]) + late
-    return measured + b.kept + b.encode_workspace + late
-
-
-def _backward_transient(b: BlockLoad, g: GroupProfile, measured: int, deltas: dict) -> int:
-    """Measured under full recomputation, plus the difference its action table makes (measured),
-    or else its codecs' decode workspace (kept outputs are handed back instead of rerun, which can
-    only lower the transient: not counted unmeasured)."""
-    if not b.checkpoint:
-        return g.plain_transient_nbytes
-    if b.variant in deltas:
-        return max(0, measured + deltas[b.variant][1])
-    return measured + b.decode_workspace
 
 
 def _plain_held(blocks: list[BlockLoad], groups: list[GroupProfile], j: int) -> int:
@@ -253,14 +215,19 @@ def step_peak(
     moments: dict[str, int] = {}
     before = 0
     fres, bres = compiled_residual(profile, blocks) if residual is None else residual
+    # The first block's input comes from outside the blocks (the embeddings), and the model's
+    # forward may hold it through its loop (LLaMA's `inputs_embeds`): parked, it leaves the
+    # device only once the blocks' forward is over.
+    embeds = blocks[0].input_parked if blocks else 0
     for j, (b, g) in enumerate(zip(blocks, groups, strict=True)):
         measured = tl.forward_peak[j] - tl.forward_start[j]
-        transient = _forward_transient(b, g, measured, deltas, lag)
+        transient = forward_transient(b, g, measured, deltas, lag)
         moments[f"forward:{j}"] = (
             resident
             + acc
             + tl.forward_start[j]
             + before
+            + (embeds if j else 0)
             + ex.forward[j]
             + max(transient, ex.forward_floor[j])
             + fres
@@ -268,7 +235,7 @@ def step_peak(
         before += forward_delta[j]
         if j < len(tl.forward_gap) and tl.forward_gap[j]:
             moments[f"between:{j}"] = (
-                resident + acc + tl.forward_gap[j] + before + ex.forward[j] + fres
+                resident + acc + tl.forward_gap[j] + before + embeds + ex.forward[j] + fres
             )
     total = sum(delta)
     loss_peak, head_peak = head_peaks(profile, tl, head)
@@ -295,7 +262,7 @@ def step_peak(
             + sum(delta[: j + 1])
             + cached_output
             + staged
-            + _backward_transient(b, g, measured, deltas)
+            + backward_transient(b, g, measured, deltas)
             + ex.backward[j]
             + bres
         )
@@ -365,7 +332,11 @@ def uniform_loads(
         if not checkpoint[name]:
             out.append(BlockLoad(name, g.full_nbytes, False))
         elif offload_inputs:
-            out.append(BlockLoad(name, pinned_nbytes(g), True, parked=g.input_nbytes))
+            out.append(
+                BlockLoad(
+                    name, pinned_nbytes(g), True, parked=g.input_nbytes, input_parked=g.input_nbytes
+                )
+            )
         else:
             out.append(BlockLoad(name, g.input_nbytes + pinned_nbytes(g), True))
     return out
