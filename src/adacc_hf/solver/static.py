@@ -355,12 +355,12 @@ def estimate_static_memory(
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     # Quantised weights' states (bitsandbytes absmax / code tables / 8-bit row scales), each
     # storage once and none a parameter's (an 8-bit weight's ``CB`` is its own data).
-    held = {(str(p.device), p.untyped_storage().data_ptr()) for p in model.parameters()}
-    buffers += storage_nbytes(
-        t
-        for t in quantization_tensors(model)
-        if (str(t.device), t.untyped_storage().data_ptr()) not in held
-    )
+    quantized = quantization_tensors(model)
+    if quantized:  # (an FSDP2 DTensor parameter has no storage of its own to read)
+        held = {(str(p.device), p.untyped_storage().data_ptr()) for p in model.parameters()}
+        buffers += storage_nbytes(
+            t for t in quantized if (str(t.device), t.untyped_storage().data_ptr()) not in held
+        )
     grads = shard(grads, stage >= 2)
     comm = grads if ddp and world_size > 1 else 0
     if zero_stage == 3 and not offload_optimizer:  # the flat gradient-partition buffer
