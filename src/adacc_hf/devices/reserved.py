@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.peak import plain_tensors, resident_tensors
+from ..runtime.peak import resident_tensors, unique_storages
 from .allocations import Event, record_allocations
 from .caching_allocator import AllocatorPeaks, replay
 
@@ -25,15 +25,8 @@ __all__ = ["resident_events", "step_reserved"]
 def resident_events(tensors: Iterable[Any]) -> list[Event]:
     """Allocations of the storages of `tensors`, each once, in order (ids ``-1, -2, ...``: apart
     from a recording's own)."""
-    seen: set[int] = set()
-    out: list[Event] = []
-    for t in tensors:
-        for x in plain_tensors(t):
-            s = x.untyped_storage()
-            if s.nbytes() and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                out.append(("alloc", -1 - len(out), s.nbytes(), 0))
-    return out
+    storages = unique_storages(tensors)
+    return [("alloc", -1 - i, s.nbytes(), 0) for i, s in enumerate(storages)]
 
 
 def step_reserved(

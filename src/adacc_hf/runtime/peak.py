@@ -210,20 +210,23 @@ def plain_tensors(t: Any) -> list[torch.Tensor]:
     return [x for name in names for x in plain_tensors(getattr(t, name))]
 
 
-def storage_nbytes(tensors: Iterable[Any]) -> int:
-    """Bytes of the storages holding `tensors` (non-tensors skipped; a wrapper such as an FSDP2
-    DTensor counted by its local shards), each storage once: tied weights, views and shared
-    quantisation maps count once."""
+def unique_storages(tensors: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
+    """The non-empty storages holding `tensors` (non-tensors skipped; a wrapper such as an FSDP2
+    DTensor by its local shards), each once, in order: tied weights, views and shared
+    quantisation maps once."""
     seen: set[tuple[str, int]] = set()
-    total = 0
     for t in tensors:
         for x in plain_tensors(t):
             s = x.untyped_storage()
             key = (str(x.device), s.data_ptr())
             if s.nbytes() and key not in seen:
                 seen.add(key)
-                total += s.nbytes()
-    return total
+                yield s
+
+
+def storage_nbytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the storages holding `tensors`, each storage once (`unique_storages`)."""
+    return sum(s.nbytes() for s in unique_storages(tensors))
 
 
 def batch_nbytes(tensors: Iterable[Any]) -> int:
