@@ -107,7 +107,10 @@ class StepRetry:
         (a micro-batch run again gives what it gave the first time: same inputs, same random
         state, gradients emptied)."""
         key = object()  # a new optimizer step
-        return [self.micro_batch(key, run, batch) for batch in batches]
+        try:
+            return [self.micro_batch(key, run, batch) for batch in batches]
+        finally:
+            self._window = None  # the step is over: hold none of its batches until the next
 
     def _recover(self, message: str, window: _Window) -> None:
         release(self.device)
