@@ -44,7 +44,7 @@ from step_meter import StepMeter, metered  # noqa: E402
 
 from adacc_hf import AdaccCallback  # noqa: E402
 from adacc_hf.assets import load_smollm2, shakespeare_text  # noqa: E402
-from adacc_hf.integrations.shapes import shape_key  # noqa: E402
+from adacc_hf.engine.shapes import shape_key  # noqa: E402
 from benchmarks.harness import env  # noqa: E402
 from benchmarks.harness.report import write_json  # noqa: E402
 
@@ -164,7 +164,7 @@ def trainer_for(
 def phases(meter: Any, log: list[dict]) -> Iterator[None]:
     """Record each profiling phase's metered peak (bytes alive before, highest, after) in `log`:
     the library's profiling functions wrapped where they are looked up, for this run only."""
-    import adacc_hf.integrations.solving as solving
+    import adacc_hf.engine.solving as solving
     import adacc_hf.profiler as profiler
 
     names = {

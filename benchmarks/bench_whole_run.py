@@ -46,7 +46,7 @@ from benchmarks.harness.report import write_json  # noqa: E402
 def one_run(args: argparse.Namespace) -> dict[str, Any]:
     """One run (``--only hf|adacc``) in this process, on one thread."""
     from adacc_hf import AdaccCallback
-    from adacc_hf.integrations.shapes import key_text
+    from adacc_hf.engine.shapes import key_text
 
     env.set_threads(torch.device("cpu"), 1)
     model, tok = make_model("lora")

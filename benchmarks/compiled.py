@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     probe = copy.deepcopy(base)
     s = prepare(probe, "100GiB", batch, optimizer="adamw_torch", **KW)
-    lo, hi = extreme_peaks(s.profile, s._static(), 1, "full")
+    lo, hi = extreme_peaks(s.profile, s.ctx.static_memory(), 1, "full")
     s.close()
     budget = int(lo.peak_nbytes + args.fraction * (hi.peak_nbytes - lo.peak_nbytes))
     res["budget_nbytes"] = budget

@@ -89,7 +89,7 @@ def _grads(model, batch) -> torch.Tensor:
 
 def _top_moments(session, policy, n: int = 6) -> dict[str, int]:
     """The prediction's highest moments (which part of the step the model says peaks)."""
-    pred = predict(session.profile, policy, session._static())
+    pred = predict(session.profile, policy, session.ctx.static_memory())
     return dict(sorted(pred.moments.items(), key=lambda kv: -kv[1])[:n])
 
 

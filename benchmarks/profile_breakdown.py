@@ -174,7 +174,7 @@ def planned(
         )
     out["total_s"] = time.perf_counter() - t0
     # buckets whose first step allocated more than their interpolated memory predicted (CUDA)
-    out["measured_after_check"] = [list(k) for k in sorted(session.full_memory)]
+    out["measured_after_check"] = [list(k) for k in sorted(session.store.full_memory)]
     return out, session
 
 

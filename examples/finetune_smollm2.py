@@ -45,7 +45,7 @@ from adacc_hf import (  # noqa: E402
     uniform_policy,
 )
 from adacc_hf.assets import load_smollm2, shakespeare_splits  # noqa: E402
-from adacc_hf.integrations.shapes import key_text, padded  # noqa: E402
+from adacc_hf.engine.shapes import key_text, padded  # noqa: E402
 from adacc_hf.policy.display import describe  # noqa: E402
 from adacc_hf.solver import budget_between  # noqa: E402
 

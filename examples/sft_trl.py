@@ -44,7 +44,7 @@ from adacc_hf import (  # noqa: E402
     uniform_policy,
 )
 from adacc_hf.assets import load_smollm2, shakespeare_text  # noqa: E402
-from adacc_hf.integrations.shapes import padded  # noqa: E402
+from adacc_hf.engine.shapes import padded  # noqa: E402
 
 #: What TRL's SFTTrainer adds to every training forward (TRL >= 1.16: its chunked LM head).
 TRL_KWARGS = {"fused_lm_head": True, "use_cache": False}

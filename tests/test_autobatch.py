@@ -12,8 +12,8 @@ import torch
 from batch_rows import Rows
 
 from adacc_hf import apply_adacc, assets, measure_step_peak, prepare
-from adacc_hf.integrations.autobatch import choose_micro_batch, rows
-from adacc_hf.integrations.config import AdaccConfig
+from adacc_hf.engine.autobatch import choose_micro_batch, rows
+from adacc_hf.engine.config import AdaccConfig
 
 GLOBAL = 8
 

@@ -23,8 +23,8 @@ from adacc_hf import (
     prepare,
     uniform_policy,
 )
+from adacc_hf.engine.config import AdaccConfig
 from adacc_hf.errors import AdaccError
-from adacc_hf.integrations.config import AdaccConfig
 from adacc_hf.schema import Action, Variant
 from adacc_hf.solver.step import extreme_peaks
 
@@ -233,7 +233,7 @@ def test_a_session_plans_each_new_bucket_eagerly_and_its_compiled_steps_train():
     model, batch = _model("llama")
     kw = dict(optimizer="sgd", adaptive=False, codecs=[], offload=False, profile_repeats=1)
     session = prepare(model, "100GiB", batch, **kw)
-    lo, hi = extreme_peaks(session.profile, session._static(), 1, "full")
+    lo, hi = extreme_peaks(session.profile, session.ctx.static_memory(), 1, "full")
     session.close()
     session = prepare(model, (lo.peak_nbytes + hi.peak_nbytes) // 2, batch, **kw)
     counter = CompileCounterWithBackend("aot_eager")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from adacc_hf import apply_adacc, assets, measure_step_peak, profile_model
-from adacc_hf.integrations.shapes import padded, shape_key, tiny_batch, tiny_key
+from adacc_hf.engine.shapes import padded, shape_key, tiny_batch, tiny_key
 from adacc_hf.profiler.derive import (
     GROUP_BYTES,
     PROFILE_BYTES,
@@ -139,7 +139,7 @@ def test_later_buckets_are_interpolated_and_a_step_that_disproves_one_measures_i
     from test_first_step import budget_for, longest, model, pad_collate, rows
 
     from adacc_hf import prepare
-    from adacc_hf.integrations.guard import DerivedCheck
+    from adacc_hf.engine.guard import DerivedCheck
 
     # without attention dropout SDPA runs its fused kernel: nothing grows with length squared, so
     # the chord is tight and the bucket interpolated (with it, the math path's scores have the
@@ -159,6 +159,6 @@ def test_later_buckets_are_interpolated_and_a_step_that_disproves_one_measures_i
             assert session.profile.memory_from == ["1 x 8", "4 x 128"]
         session.step_done(step)
     assert len(reads) == 1  # only the interpolated bucket's first step was watched
-    assert key in session.full_memory
+    assert key in session.store.full_memory
     assert session.profiles[key].memory_from == []  # measured at its next batch
     session.close()

@@ -8,6 +8,9 @@ import torch
 
 from adacc_hf import assets, estimate_static_memory, measure_step_peak, profile_model
 from adacc_hf.codecs import get_codec
+from adacc_hf.engine.config import AdaccConfig
+from adacc_hf.engine.session import AdaccSession
+from adacc_hf.engine.shapes import shape_key
 from adacc_hf.evolution import (
     CodecStats,
     OutlierTracker,
@@ -16,9 +19,6 @@ from adacc_hf.evolution import (
     should_switch,
     tracking_need,
 )
-from adacc_hf.integrations.config import AdaccConfig
-from adacc_hf.integrations.session import AdaccSession
-from adacc_hf.integrations.shapes import shape_key
 from adacc_hf.solver import budget_between, predict, solve
 
 
@@ -219,7 +219,7 @@ def test_tracking_measures_only_codecs_the_solver_could_choose():
     session = AdaccSession(model, cfg, profiles={shape_key(batch, False): prof})
     session.setup(batch)
     session.on_step_begin(1)
-    tracker = session._tracker
+    tracker = session.rectifier.tracker
     assert tracker is not None and not tracker.codecs
     model(**batch).loss.backward()
     assert tracker.stats == {}
@@ -302,11 +302,11 @@ def test_tracking_steps_stay_within_the_budget(family):
         session.setup(batch)
         measure_step_peak(model, batch, opt, autocast=torch.bfloat16)  # optimizer states exist
         session.on_step_begin(1)
-        assert session.schedule.is_tracking_step(1) and session._tracker is not None
+        assert session.schedule.is_tracking_step(1) and session.rectifier.tracker is not None
         peak = measure_step_peak(model, batch, opt, autocast=torch.bfloat16)
         assert peak.peak_nbytes <= budget, (fraction, peak.phases, budget)
         need = tracking_need(session.profile, session.policy)
-        measured.append((len(session._tracker.stats), need))
+        measured.append((len(session.rectifier.tracker.stats), need))
         session.close()
     assert measured[0][0] == 0, measured
     assert all(n > 0 for n, need in measured[1:] if need), measured

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from adacc_hf import assets, measure_step_peak
-from adacc_hf.integrations.config import AdaccConfig
-from adacc_hf.integrations.session import AdaccSession
+from adacc_hf.engine.config import AdaccConfig
+from adacc_hf.engine.session import AdaccSession
 from adacc_hf.solver import estimate_static_memory, predict
 
 

@@ -160,7 +160,7 @@ def test_a_plan_with_offload_fits_its_budget_and_its_prediction(monkeypatch):
     so offload competes with recompute (the CPU stand-in's real memcpy makes it dearer); the
     copies themselves run on the stand-in as always (prices steer choices, the meter sees the
     truth)."""
-    from adacc_hf.integrations import solving
+    from adacc_hf.engine import solving
 
     monkeypatch.setattr(
         solving, "measure_link", lambda device, cap=0: OffloadLink(1000.0, 1000.0, False, 0.0, cap)

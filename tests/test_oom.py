@@ -13,7 +13,7 @@ from test_trainer import _args, mixed_budget
 from transformers import Trainer, TrainerCallback
 
 from adacc_hf import AdaccCallback, AdaccTrainer, assets
-from adacc_hf.integrations.oom import grown_reserve, parse_oom
+from adacc_hf.engine.oom import grown_reserve, parse_oom
 from adacc_hf.runtime.capacity import DeviceMeter, oom_count
 
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""A plan's last check (`SessionSolving._within_budget`): the action tables of the final policy
+"""A plan's last check (`BucketSolver._within_budget`): the action tables of the final policy
 are measured after the last solve, so its prediction is made again with them; a plan that the
 measurement puts above the budget is solved again below it, and where nothing but full
 recomputation fits, it falls back to that. The truth: every allocation of the real step."""
@@ -45,8 +45,8 @@ def test_a_plan_found_above_its_budget_is_solved_again_below_it_or_falls_back(ro
         roomy = session.current
         before = roomy.policy.metadata["predicted"]["peak_nbytes"]
         key = roomy.key
-        room_nbytes = session.profiling_room(batch)
-        profile, probes = session.profile_bucket(batch, key, room_nbytes)
+        room_nbytes = session.store.profiling_room(batch)
+        profile, probes = session.store.profile_bucket(batch, key, room_nbytes)
         least = predict(profile, least_memory_policy(profile, static), static).peak_nbytes
         # a budget the roomy plan exceeds: halfway to full recomputation's, just it, or less
         limit = {"some": (least + before) // 2, "none": least - 1}.get(room, least)
@@ -54,15 +54,15 @@ def test_a_plan_found_above_its_budget_is_solved_again_below_it_or_falls_back(ro
         assert predict(profile, roomy.policy, static).peak_nbytes > limit
         if room == "none":
             with pytest.raises(BudgetError, match="full recomputation needs"):
-                session._within_budget(profile, probes, roomy.policy, 0, room_nbytes)
+                session.solver._within_budget(profile, probes, roomy.policy, 0, room_nbytes)
             return
         if room == "unsolved":
 
             def refuse(*args, **kwargs):
                 raise BudgetError("refused")
 
-            monkeypatch.setattr(session, "solve", refuse)
-        policy = session._within_budget(profile, probes, roomy.policy, 0, room_nbytes)
+            monkeypatch.setattr(session.solver, "solve", refuse)
+        policy = session.solver._within_budget(profile, probes, roomy.policy, 0, room_nbytes)
     finally:
         session.close()
     predicted = policy.metadata["predicted"]["peak_nbytes"]

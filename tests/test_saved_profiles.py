@@ -23,9 +23,9 @@ from test_entry_points import (
 from transformers import Trainer, TrainingArguments
 
 from adacc_hf import AdaccCallback, AdaccSession, AdaccTrainingArguments, prepare
+from adacc_hf.engine.saved import PROFILES_FILE, read_profiles
 from adacc_hf.errors import AdaccError, PolicyError
 from adacc_hf.integrations import write_artifacts
-from adacc_hf.integrations.saved import PROFILES_FILE, read_profiles
 
 #: The first MLP's forwards of the two steps without profiling: each step's forward and its
 #: recompute, one forward per bucket to find the blocks (profiling runs it 90 times or so).

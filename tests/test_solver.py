@@ -585,8 +585,8 @@ def test_trainer_8bit_optimizer_keeps_embedding_states_in_fp32_and_the_estimate_
     pytest.importorskip("bitsandbytes")
     from transformers import Trainer, TrainingArguments
 
-    from adacc_hf.integrations.callback import run_config
-    from adacc_hf.integrations.config import AdaccConfig
+    from adacc_hf.engine.config import AdaccConfig
+    from adacc_hf.integrations.run_facts import run_config
 
     model = assets.tiny_model("llama")
     args = TrainingArguments(

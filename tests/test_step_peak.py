@@ -12,9 +12,9 @@ from transformers import TrainingArguments
 
 from adacc_hf import apply_adacc, assets, measure_step_peak, prepare, profile_model, uniform_policy
 from adacc_hf.codecs import get_codec, relative_error
+from adacc_hf.engine.config import AdaccConfig
+from adacc_hf.engine.session import AdaccSession
 from adacc_hf.errors import BudgetError
-from adacc_hf.integrations.config import AdaccConfig
-from adacc_hf.integrations.session import AdaccSession
 from adacc_hf.runtime.peak import AllocationTracker, live_state_nbytes
 from adacc_hf.solver import budget as budget_mod
 from adacc_hf.solver import budget_between, estimate_static_memory, min_budget, parse_budget, solve

@@ -316,7 +316,7 @@ def test_bf16_dynamic_padding_accumulation_and_evaluation_stay_in_budget(tmp_pat
     each planned bucket (two micro-batches, with the run's optimizer) measures within budget."""
     import logging
 
-    from adacc_hf.integrations.shapes import padded
+    from adacc_hf.engine.shapes import padded
 
     model = assets.tiny_model("llama", seed=0, num_hidden_layers=4)
     data = VariableLengths()

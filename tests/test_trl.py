@@ -31,8 +31,9 @@ from adacc_hf import (  # noqa: E402
     estimate_static_memory,
     measure_step_peak,
 )
-from adacc_hf.integrations.callback import AdaccCallback, longest_sequence  # noqa: E402
-from adacc_hf.integrations.shapes import is_packed, padded, shape_key  # noqa: E402
+from adacc_hf.engine.shapes import is_packed, padded, shape_key  # noqa: E402
+from adacc_hf.integrations.callback import AdaccCallback  # noqa: E402
+from adacc_hf.integrations.run_facts import longest_sequence  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(250)]
 #: Row lengths in words (the tokenizer adds EOS): two length buckets (32, 64) with padding.
@@ -138,7 +139,7 @@ def train_and_check(tmp_path, caplog, key_of_longest, **config):
     batches: dict[tuple, dict] = {}
 
     def record(module, a, kwargs):  # the run's own forwards, not profiling's (a tiny bucket)
-        if module.training and "labels" in kwargs and not callback.session._planning:
+        if module.training and "labels" in kwargs and not callback.session.ctx.planning:
             key = shape_key(kwargs, False, callback.session.config.max_seq_len)
             seen.append(key)
             batches.setdefault(key, {k: v for k, v in kwargs.items()})

@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from adacc_hf.integrations.config import AdaccConfig
-from adacc_hf.integrations.session import AdaccSession
+from adacc_hf.engine.config import AdaccConfig
+from adacc_hf.engine.session import AdaccSession
 from adacc_hf.profiler import BlockProbe, profile_model
 from adacc_hf.schema import Profile
 from adacc_hf.solver import StaticMemory, min_budget, no_checkpoint_budget
@@ -35,7 +35,7 @@ class Profiles:
     no_outlier: Profile | None = None
     profile_s: float = 0.0  # wall time of the user-facing profile (adacc's own)
     # each group's profiled block and its inputs: a solve times its action tables there, as the
-    # session does for users (`AdaccSession.solve_measured`)
+    # session does for users (`BucketSolver.solve_measured`)
     probes: dict[str, BlockProbe] = field(default_factory=dict)
 
 
@@ -113,7 +113,7 @@ def solved_session(
 ) -> AdaccSession:
     """An `AdaccSession` for `profile` under `budget_nbytes`, its policy solved as users get it
     (raises `BudgetError` when none fits): with `probes`, its action tables measured and timed on
-    them and solved again (`AdaccSession.solve_measured`; the session's profile holds what was
+    them and solved again (`BucketSolver.solve_measured`; the session's profile holds what was
     measured). Not yet applied to the model."""
     cfg = AdaccConfig(budget=int(budget_nbytes), adaptive=adaptive, profile_repeats=profile_repeats)
     solver = AdaccSession(model, cfg)

@@ -112,7 +112,7 @@ def env_case(spec: Mapping[str, Any], device: torch.device, out: dict[str, Any])
 
 def profile_case(spec: Mapping[str, Any], device: torch.device, out: dict[str, Any]) -> None:
     from adacc_hf import prepare, uniform_policy
-    from adacc_hf.integrations.saved import PROFILES_FILE
+    from adacc_hf.engine.saved import PROFILES_FILE
     from adacc_hf.solver import predict
 
     from .adacc import budget_range

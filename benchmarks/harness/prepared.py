@@ -23,8 +23,8 @@ from typing import Any, Protocol
 from torch import nn
 
 from adacc_hf import AdaccHandle, Policy, apply_adacc
+from adacc_hf.engine.session import AdaccSession
 from adacc_hf.errors import BudgetError
-from adacc_hf.integrations.session import AdaccSession
 from adacc_hf.schema import ActionKind
 
 from .adacc import Profiles, profile_for, solved_session
@@ -296,8 +296,8 @@ class EvolvingPolicy(SolvedPolicy):
             s.on_step_begin(1)
         else:
             s.apply(s.policy)
-            if s._tracker is not None and s.handle is not None:  # a tracking step under way
-                s.handle.set_tracker(s._tracker)
+            if s.rectifier.tracker is not None and s.handle is not None:  # a tracking step under way
+                s.handle.set_tracker(s.rectifier.tracker)
 
     def uninstall(self) -> None:
         if self.session is not None:

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from adacc_hf import measure_step_peak, profile_model
-from adacc_hf.integrations.config import AdaccConfig
-from adacc_hf.integrations.session import AdaccSession
+from adacc_hf.engine.config import AdaccConfig
+from adacc_hf.engine.session import AdaccSession
 from adacc_hf.policy.display import totals
 from adacc_hf.solver import budget_between, estimate_static_memory
 

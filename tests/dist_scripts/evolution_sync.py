@@ -26,9 +26,9 @@ from accelerate import Accelerator
 from common import kinds, write
 
 from adacc_hf import assets, estimate_static_memory, profile_model
-from adacc_hf.integrations.coordinator import Coordinator
-from adacc_hf.integrations.session import AdaccConfig, AdaccSession
-from adacc_hf.integrations.shapes import shape_key
+from adacc_hf.engine.coordinator import Coordinator
+from adacc_hf.engine.session import AdaccConfig, AdaccSession
+from adacc_hf.engine.shapes import shape_key
 from adacc_hf.schema import Profile
 from adacc_hf.solver import budget_between
 

@@ -200,9 +200,9 @@ def plan_for_device(
             budget, the plan is solved again with what it reserved above its allocated peak
             kept free (until it fits, or only full recomputation is left).
     """
-    from ..integrations.config import AdaccConfig
-    from ..integrations.guard import MARGIN
-    from ..integrations.session import AdaccSession
+    from ..engine.config import AdaccConfig
+    from ..engine.guard import MARGIN
+    from ..engine.session import AdaccSession
     from ..profiler import profile_model
 
     table = load_device(device) if isinstance(device, str) else device
@@ -253,7 +253,7 @@ def plan_for_device(
         session.static = static
         reserve = 0
         for _ in range(6):
-            policy = session.solve_measured(copy.deepcopy(profile), probes, reserve)
+            policy = session.solver.solve_measured(copy.deepcopy(profile), probes, reserve)
             if "adacc" not in steps:
                 break
             with apply_adacc(model, policy, host_cap=None):

@@ -1,16 +1,15 @@
-"""Wiring into HF Trainer, TRL, Accelerate and custom loops.
+"""Wiring into HF Trainer, TRL, Accelerate and custom loops, over the engine (`adacc_hf.engine`).
 
-Rooms: `session` (profile, solve, apply, evolve; its `plans` per bucket of `shapes`), `prepare`
-(custom loops, Accelerate), `coordinator` (who decides across ranks), `sharding` (per-device static
-memory of sharded runs), `callback` (any Trainer), `arguments` (`--adacc...` options), `trainer`
-(`AdaccTrainer`), `card` (artifacts on disk, model card, config entry).
+Modules: `prepare` (custom loops, Accelerate), `callback` (any Trainer, TRL's included),
+`arguments` (`--adacc...` options), `trainer` (`AdaccTrainer`), `run_facts` (what adacc reads off a
+Trainer's arguments), `retry` (a Trainer's steps re-run after out of memory), `sharding`
+(per-device static memory of sharded runs), `card` (artifacts on disk, model card, config entry).
 """
 
+from ..engine import AdaccConfig, AdaccEvent, AdaccSession
+from ..engine.coordinator import Coordinator, DistributedCoordinator, coordinator_for_process
 from .card import read_artifacts, update_model_card, write_artifacts
-from .config import AdaccConfig
-from .coordinator import Coordinator, DistributedCoordinator, coordinator_for_process
 from .prepare import prepare
-from .session import AdaccEvent, AdaccSession
 from .trainer import AdaccCallback, AdaccTrainer, AdaccTrainingArguments, run_config
 
 __all__ = [

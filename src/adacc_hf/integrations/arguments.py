@@ -9,17 +9,17 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from ..engine.config import AdaccConfig
 from ..errors import AdaccError, PolicyError
 from ..policy import Policy
 from ..solver import MAX_GRAD_ERROR
-from .callback import (
-    AdaccCallback,
+from .callback import AdaccCallback
+from .run_facts import (
     checkpointing_by_default,
     checkpointing_on,
     explicit_checkpointing_error,
     switch_off_own_checkpointing,
 )
-from .config import AdaccConfig
 
 __all__ = ["INTEGRATION", "AdaccTrainingArguments"]
 

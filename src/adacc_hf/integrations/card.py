@@ -9,13 +9,13 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..engine.saved import PROFILE_FILE, PROFILES_FILE
 from ..policy import Policy
 from ..policy.display import card_section, config_summary
 from ..schema import Profile
-from .saved import PROFILE_FILE, PROFILES_FILE
 
 if TYPE_CHECKING:
-    from .session import AdaccSession
+    from ..engine.session import AdaccSession
 
 POLICY_FILE = "adacc_policy.json"
 STATE_FILE = "adacc_state.json"

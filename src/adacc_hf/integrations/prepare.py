@@ -8,12 +8,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..engine.autobatch import choose_micro_batch, rows
+from ..engine.config import AdaccConfig
+from ..engine.session import AdaccSession
 from ..errors import AdaccError
 from ..policy import Policy
 from ..solver.static import optimizer_name
-from .autobatch import choose_micro_batch, rows
-from .config import AdaccConfig
-from .session import AdaccSession
 from .sharding import sharding_from_model
 
 __all__ = ["prepare"]

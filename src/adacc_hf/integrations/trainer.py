@@ -17,10 +17,11 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..engine.autobatch import BatchChoice, choose_micro_batch
+from ..engine.session import AdaccSession
 from ..errors import AdaccError
 from .arguments import AdaccTrainingArguments
-from .autobatch import BatchChoice, choose_micro_batch
-from .callback import AdaccCallback, longest_sequence, run_config
+from .callback import AdaccCallback
 from .card import (
     POLICY_FILE,
     PROFILE_FILE,
@@ -29,7 +30,7 @@ from .card import (
     update_model_card,
     write_artifacts,
 )
-from .session import AdaccSession
+from .run_facts import longest_sequence, run_config
 
 logger = logging.getLogger("adacc_hf")
 

@@ -17,7 +17,7 @@ activations scale with tokens (SDPA, the model's LM head), and over-counts atten
 parts by their share of the difference (`chord_excess` counts it from the traced ops: where it is
 more than a small share of the bucket's step, the session measures the bucket instead). On CUDA
 the session checks the bucket's first real step against the prediction and profiles the bucket
-in full where the step allocated more (`integrations.guard.DerivedCheck`).
+in full where the step allocated more (`engine.guard.DerivedCheck`).
 """
 
 from __future__ import annotations

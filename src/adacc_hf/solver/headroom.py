@@ -58,7 +58,7 @@ def planned_budget(
     reserve: int = 0,
 ) -> int:
     """The budget to solve for: `reserve` bytes below the budget (what the device showed it does
-    not hold: `integrations.guard`, `integrations.oom`), and `headroom` (None: `headroom_for`) of
+    not hold: `engine.guard`, `engine.oom`), and `headroom` (None: `headroom_for`) of
     the share left after static memory kept free, unless that fits no checkpointing at all
     (nothing data-dependent then; not for a compiled profile), with the LM head run as `head`
     (or any measured way for "auto"). Never below the least step peak where the budget itself

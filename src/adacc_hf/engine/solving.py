@@ -1,4 +1,4 @@
-"""Solving a bucket's plan: `AdaccSession.solve` under the budget, then `solve_measured` with the
+"""Solving a bucket's plan: `BucketSolver.solve` under the budget, then `solve_measured` with the
 action tables and gradient error the policy runs measured on the profiled blocks, and the final
 prediction checked against the budget with every measured table in it."""
 
@@ -21,9 +21,9 @@ from ..schema import OffloadLink, Profile
 from ..solver import headroom_for, least_memory_policy, planned_budget, predict, solve_policy
 from ..solver.cost_model import plan_key_of
 from ..units import fmt_bytes
-from .profiling import SessionProfiling
+from .context import SessionContext
 
-__all__ = ["SessionSolving"]
+__all__ = ["BucketSolver"]
 
 logger = logging.getLogger("adacc_hf")
 
@@ -32,19 +32,25 @@ logger = logging.getLogger("adacc_hf")
 SLACK = 0.02
 
 
-class SessionSolving(SessionProfiling):
-    """The solving part of `AdaccSession` (a mixin over its profiling part)."""
+class BucketSolver:
+    """Solves a bucket's profile under the session's budget, measuring what the policy runs.
 
-    _link: OffloadLink | None = None
+    Args:
+        ctx: the session's shared state.
+    """
+
+    def __init__(self, ctx: SessionContext) -> None:
+        self.ctx = ctx
+        self._link: OffloadLink | None = None  # measured once, on the first plan that may offload
 
     def offload_link(self) -> OffloadLink | None:
         """The host link plans may offload over (measured once per session), or None where the
         config keeps offload off on this device."""
-        device = next(self.model.parameters()).device
-        if not self.config.offloads_on(device):
+        device = next(self.ctx.model.parameters()).device
+        if not self.ctx.config.offloads_on(device):
             return None
         if self._link is None:
-            self._link = measure_link(device, self.config.host_cap_nbytes())
+            self._link = measure_link(device, self.ctx.config.host_cap_nbytes())
         return self._link
 
     def solve(
@@ -54,10 +60,10 @@ class SessionSolving(SessionProfiling):
         `reserve` bytes below it: what the allocator reserved over the budget, `guard`; adaptive,
         also the room its tracking steps measure codecs in), its blocks' gradient error bounded
         by `max_grad_error` (default: the config's)."""
-        c, static = self.config, self._static()
+        c, static = self.ctx.config, self.ctx.static_memory()
         acc = c.gradient_accumulation_steps
-        budget = self._budget()
-        reserve += self.oom_reserve_nbytes
+        budget = self.ctx.budget()
+        reserve += self.ctx.oom_reserve_nbytes
         profile.offload = self.offload_link()
 
         def solve(kept_free: int) -> Policy:
@@ -91,10 +97,12 @@ class SessionSolving(SessionProfiling):
     def least_memory(self, profile: Profile) -> Policy:
         """Full recomputation (`least_memory_policy`) for `profile`, labelled with the session's
         budget: what a bucket runs when no other policy fits."""
-        c = self.config
+        c = self.ctx.config
         profile.offload = self.offload_link()
-        policy = least_memory_policy(profile, self._static(), c.gradient_accumulation_steps, c.head)
-        policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=self._budget())
+        policy = least_memory_policy(
+            profile, self.ctx.static_memory(), c.gradient_accumulation_steps, c.head
+        )
+        policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=self.ctx.budget())
         return self._compiled(policy)
 
     def solve_measured(
@@ -112,26 +120,32 @@ class SessionSolving(SessionProfiling):
         predicts it from single-op errors in quadrature) scales the bound down by the miss.
         Planned for compile, with the profiled `batch`: the policy's whole step is measured
         compiled too (`_measure_plan`)."""
-        bound = self.config.max_grad_error
+        bound = self.ctx.config.max_grad_error
         with phase("solve"):
-            policy = self.coordinator.share(lambda: self.solve(profile, reserve, bound))
+            policy = self.ctx.coordinator.share(lambda: self.solve(profile, reserve, bound))
         for attempt in range(3 if probes else 0):
-            with self.own_forwards():
-                rounds = self.config.profile_repeats
+            with self.ctx.own_forwards():
+                rounds = self.ctx.config.profile_repeats
                 with phase("action_tables"):
                     new = measure_policy(
-                        profile, probes, policy, self.autocast, rounds, room, self.config.compile
+                        profile,
+                        probes,
+                        policy,
+                        self.ctx.autocast,
+                        rounds,
+                        room,
+                        self.ctx.config.compile,
                     )
                 with phase("policy_error"):
-                    err = policy_block_error(probes, policy, self.autocast) if bound else 0.0
+                    err = policy_block_error(probes, policy, self.ctx.autocast) if bound else 0.0
             policy.metadata["measured_grad_error"] = err
-            limit = self.config.max_grad_error
+            limit = self.ctx.config.max_grad_error
             if limit is not None and bound and err > 1.05 * limit and attempt < 2:
                 bound, new = bound * limit / err, True
             if not new or attempt == 2:
                 break
             with phase("solve"):
-                policy = self.coordinator.share(lambda b=bound: self.solve(profile, reserve, b))
+                policy = self.ctx.coordinator.share(lambda b=bound: self.solve(profile, reserve, b))
         if probes:
             if batch is not None:
                 self._measure_plan(profile, batch, self._compiled(policy), room)
@@ -147,20 +161,20 @@ class SessionSolving(SessionProfiling):
         saves around its tags. Skipped where its step is predicted not to fit `room` (the bytes
         profiling may add) or the profile has no compiled whole step (its plan stays predicted
         from the parts, the residuals' conservative side)."""
-        if not self.config.compile or "full_phases" not in profile.compiled:
+        if not self.ctx.config.compile or "full_phases" not in profile.compiled:
             return
-        acc, static = self.config.gradient_accumulation_steps, self._static()
+        acc, static = self.ctx.config.gradient_accumulation_steps, self.ctx.static_memory()
         adds = predict(profile, policy, static, acc).peak_nbytes - static.total
         if room is not None and adds > room:
             return
-        with self.own_forwards(), phase("compiled_plan"):
-            measure_plan(profile, unwrap_model(self.model), batch, self.autocast, policy)
+        with self.ctx.own_forwards(), phase("compiled_plan"):
+            measure_plan(profile, unwrap_model(self.ctx.model), batch, self.ctx.autocast, policy)
 
     def _compiled(self, policy: Policy) -> Policy:
         """`policy` labelled with the backend it was planned for (its blocks then run their
         compile contexts without warning of an eager plan)."""
-        if self.config.compile:
-            policy.metadata["compile"] = self.config.compile
+        if self.ctx.config.compile:
+            policy.metadata["compile"] = self.ctx.config.compile
         return policy
 
     def _use_slack(
@@ -185,30 +199,32 @@ class SessionSolving(SessionProfiling):
         measured = profile.compiled.get("plans", {}).get(plan_key_of(profile, policy))
         if measured is None:
             return policy
-        acc, static = self.config.gradient_accumulation_steps, self._static()
-        limit = self._budget() - reserve - self.oom_reserve_nbytes
+        acc, static = self.ctx.config.gradient_accumulation_steps, self.ctx.static_memory()
+        limit = self.ctx.limit(reserve)
         first = predict(profile, policy, static, acc)
-        top = self.coordinator.agree((first.peak_nbytes,))[0]
+        top = self.ctx.coordinator.agree((first.peak_nbytes,))[0]
         if limit - top < SLACK * (limit - static.total):
             return policy
         generic = {k: profile.compiled.get(k) for k in ("residual", "residual_plain")}
         profile.compiled.update(residual=list(measured), residual_plain=list(measured))
         try:
             with phase("solve"):
-                other = self.coordinator.share(lambda: self.solve(profile, reserve, bound))
+                other = self.ctx.coordinator.share(lambda: self.solve(profile, reserve, bound))
         finally:
             profile.compiled.update(generic)
         other_key = plan_key_of(profile, other)
         if other_key == plan_key_of(profile, policy):
             return policy
-        with self.own_forwards(), phase("action_tables"):
-            rounds = self.config.profile_repeats
-            measure_policy(profile, probes, other, self.autocast, rounds, room, self.config.compile)
+        with self.ctx.own_forwards(), phase("action_tables"):
+            rounds = self.ctx.config.profile_repeats
+            measure_policy(
+                profile, probes, other, self.ctx.autocast, rounds, room, self.ctx.config.compile
+            )
         self._measure_plan(profile, batch, self._compiled(other), room)
         second = predict(profile, other, static, acc)
         unmeasured = other_key not in profile.compiled.get("plans", {})
         slower = int(unmeasured or second.added_ms >= first.added_ms)  # unmeasured: no margin
-        top, slower = self.coordinator.agree((second.peak_nbytes, slower))
+        top, slower = self.ctx.coordinator.agree((second.peak_nbytes, slower))
         keep = top <= limit and not slower
         logger.debug(
             "adacc: compiled plan solved again into its slack: %s, %.1f ms -> %s, %.1f ms%s; %s",
@@ -237,40 +253,40 @@ class SessionSolving(SessionProfiling):
         for a solve that fails). Every rank decides on the largest of their predictions, so they
         solve (a collective) alike."""
         acc, static, budget = (
-            self.config.gradient_accumulation_steps,
-            self._static(),
-            self._budget(),
+            self.ctx.config.gradient_accumulation_steps,
+            self.ctx.static_memory(),
+            self.ctx.budget(),
         )
-        limit = budget - reserve - self.oom_reserve_nbytes
+        limit = budget - reserve - self.ctx.oom_reserve_nbytes
         final = predict(profile, policy, static, acc)
-        top = self.coordinator.agree((final.peak_nbytes,))[0]
+        top = self.ctx.coordinator.agree((final.peak_nbytes,))[0]
         if top > limit:
             # full recomputation's peak: the floor a reserve cannot push the limit under
             least = self.least_memory(profile)
             least_final = predict(profile, least, static, acc)
-            floor = self.coordinator.agree((least_final.peak_nbytes,))[0]
+            floor = self.ctx.coordinator.agree((least_final.peak_nbytes,))[0]
             limit = max(limit, min(budget, floor))
             if top > limit:
                 try:
                     with phase("solve"):
                         excess = reserve + top - limit
-                        policy = self.coordinator.share(lambda: self.solve(profile, excess))
+                        policy = self.ctx.coordinator.share(lambda: self.solve(profile, excess))
                 except AdaccError:  # nothing fits below the excess (the leader's BudgetError)
                     fits = False
                 else:
-                    with self.own_forwards(), phase("action_tables"):
-                        rounds = self.config.profile_repeats
+                    with self.ctx.own_forwards(), phase("action_tables"):
+                        rounds = self.ctx.config.profile_repeats
                         measure_policy(
                             profile,
                             probes,
                             policy,
-                            self.autocast,
+                            self.ctx.autocast,
                             rounds,
                             room,
-                            self.config.compile,
+                            self.ctx.config.compile,
                         )
                     final = predict(profile, policy, static, acc)
-                    fits = self.coordinator.agree((final.peak_nbytes,))[0] <= limit
+                    fits = self.ctx.coordinator.agree((final.peak_nbytes,))[0] <= limit
                 if not fits:
                     if floor > limit:
                         raise BudgetError(

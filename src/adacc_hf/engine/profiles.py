@@ -5,13 +5,11 @@ what an earlier run saved where its fingerprint is this run's (`profiler.fingerp
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-from torch import nn
 
 from ..profiler import BlockProbe, capture_probes, profile_model
 from ..profiler.derive import chord_excess, contains, interpolate_memory, length_share, ratio
@@ -19,16 +17,11 @@ from ..profiler.fingerprint import differences, run_fingerprint
 from ..profiler.memory import sharded
 from ..profiler.room import profiling_room
 from ..runtime.peak import storage_nbytes
-from ..runtime.sharded import forwards_without_backward
 from ..schema import Profile
 from ..units import fmt_bytes
+from .context import SessionContext
 from .saved import read_profiles
-from .shapes import ShapeKey, derivable, key_text, key_tokens, padded, tiny_batch, tiny_key
-
-if TYPE_CHECKING:
-    from ..solver import StaticMemory
-    from .config import AdaccConfig
-    from .coordinator import Coordinator
+from .shapes import ShapeKey, derivable, key_text, key_tokens, tiny_batch, tiny_key
 
 logger = logging.getLogger("adacc_hf")
 
@@ -43,46 +36,28 @@ def serves(profile: Profile, head: str) -> bool:
     return head == "full" or profile.fingerprint.get("heads") != "full"
 
 
-class SessionProfiling:
-    """The profiling half of `AdaccSession` (a mixin: it reads the session's model, config,
-    coordinator, autocast, budget and static memory)."""
+class ProfileStore:
+    """A session's profiles by bucket: measured, interpolated, or reused from a saved run.
 
-    model: nn.Module
-    config: AdaccConfig
-    coordinator: Coordinator
-    autocast: torch.dtype | None
-    profiles: dict[ShapeKey, Profile]
-    plans: dict
-    oom_reserve_nbytes: int
-    _planning: bool
+    Args:
+        ctx: the session's shared state.
+        profiles: profiles by bucket to start from (shared by sessions of the same model: a
+            benchmark's budgets).
+    """
 
-    def _static(self) -> StaticMemory: ...
-    def _budget(self) -> int: ...
-
-    def init_profiling(self) -> None:
+    def __init__(
+        self, ctx: SessionContext, profiles: dict[ShapeKey, Profile] | None = None
+    ) -> None:
+        self.ctx = ctx
+        self.profiles: dict[ShapeKey, Profile] = profiles if profiles is not None else {}
         # Profiles saved by an earlier run (`reuse_profiles`), used where their fingerprint holds.
         self.saved_profiles: list[Profile] = []
         self._saved_source = ""
         # buckets whose interpolated memory a step disproved (`guard.DerivedCheck`): measured
         self.full_memory: set[ShapeKey] = set()
-        source = self.config.profile_from
+        source = ctx.config.profile_from
         if source not in (None, "none"):
             self.reuse_profiles(read_profiles(source), source)
-
-    @contextlib.contextmanager
-    def own_forwards(self) -> Iterator[None]:
-        """Forwards of the session's own (profiling, measuring): the training-forward hook lets
-        them pass, and an FSDP2 model is left between iterations as it was found (inside a
-        training forward, its state is left to that step's backward)."""
-        check = getattr(self, "derived_check", None)
-        if check is not None:
-            check.abandon()  # a step's measurement does not nest ours
-        self._planning = True
-        try:
-            with forwards_without_backward(self.model):
-                yield
-        finally:
-            self._planning = False
 
     def profile_bucket(
         self, batch: Mapping[str, Any], key: ShapeKey, room: int | None
@@ -96,19 +71,21 @@ class SessionProfiling:
             profile = self.profiles[key] = self._profile(batch, key, probes, room)
             return profile, probes
         self.profiles[key] = saved
-        with self.own_forwards():  # the blocks its action tables are timed on: one forward
-            probes = capture_probes(self.model, self._padded(batch, key), saved, self.autocast)
+        with self.ctx.own_forwards():  # the blocks its action tables are timed on: one forward
+            probes = capture_probes(
+                self.ctx.model, self.ctx.padded(batch, key), saved, self.ctx.autocast
+            )
         return saved, probes
 
     def profiling_room(self, batch: Mapping[str, Any]) -> int:
         """The bytes profiling may add now within the budget, less the device reserve learnt
         from out-of-memory errors (`profiler.room`)."""
-        s = self._static()
+        s = self.ctx.static_memory()
         tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
-        budget = self._budget() - self.oom_reserve_nbytes
-        room = profiling_room(self.model, budget, tensors, s.optimizer + s.master_weights)
+        budget = self.ctx.budget() - self.ctx.oom_reserve_nbytes
+        room = profiling_room(self.ctx.model, budget, tensors, s.optimizer + s.master_weights)
         # every rank skips the same runs (each run all-gathers parameters under ZeRO-3 / FSDP)
-        return -self.coordinator.agree((-room,))[0]
+        return -self.ctx.coordinator.agree((-room,))[0]
 
     def _profile(
         self,
@@ -121,20 +98,20 @@ class SessionProfiling:
         costs scale from the nearest profiled bucket when there is one; memory is measured, or
         interpolated (`profiler.derive`) between the largest measured bucket it contains (the
         tiny one, measured the first time, where no other) and the smallest that contains it."""
-        sample = self._padded(batch, key)
+        sample = self.ctx.padded(batch, key)
         alike = [(k, p) for k, p in self.profiles.items() if k[-1] == key[-1]]  # same masking
         near = min(
             alike, key=lambda kv: abs(key_tokens(kv[0]) - key_tokens(key)), default=(None, None)
         )[1]
         # a sharded model's backward is estimated from what it holds (`memory.estimate`), not
         # measured: the chord's bound holds for measured levels only
-        derive = key not in self.full_memory and derivable(batch) and not sharded(self.model)
+        derive = key not in self.full_memory and derivable(batch) and not sharded(self.ctx.model)
         outer = self._outer(key) if derive else None
-        if self.coordinator.leader:
+        if self.ctx.coordinator.leader:
             logger.info(
                 "adacc: profiling bucket %s (one block per group, %d timed runs per op%s)...",
                 key_text(key),
-                self.config.profile_repeats,
+                self.ctx.config.profile_repeats,
                 f"; memory from {key_text(outer)}" if outer else "",
             )
         if outer is None:
@@ -142,7 +119,7 @@ class SessionProfiling:
         else:
             low = self._inner(key)
             if low is None:  # the tiny bucket, measured the first time
-                low, pad = tiny_key(key), self._pad_id()
+                low, pad = tiny_key(key), self.ctx.pad_id()
                 tiny = self._run_profile(
                     tiny_batch(batch, key, pad), self.profiles[outer], None, room
                 )
@@ -154,7 +131,7 @@ class SessionProfiling:
             r, length = ratio(*shapes), length_share(*shapes)
             excess = chord_excess(lo, hi, profile, r, length)
             if excess > self._loose_nbytes(lo):  # attention's quadratic parts: measure instead
-                if self.coordinator.leader:
+                if self.ctx.coordinator.leader:
                     logger.info(
                         "adacc: bucket %s: memory measured (the chord from %s to %s over-counts "
                         "its blocks' outputs by %s)",
@@ -173,21 +150,13 @@ class SessionProfiling:
         `LOOSE` of the least its step can peak at (static memory and what full recomputation
         holds at `low`, a bucket it contains), so its prediction stays within a few % of the
         step; past it the bucket's memory is measured."""
-        return int(LOOSE * (self._static().total + low.full_recompute_nbytes()))
+        return int(LOOSE * (self.ctx.static_memory().total + low.full_recompute_nbytes()))
 
-    def measure_in_full(self, plan: Any) -> None:
-        """Profile `plan`'s bucket anew, its memory measured, before its next batch: a step of it
-        allocated more than its interpolated memory predicted (`guard.DerivedCheck`)."""
-        key = plan.key
+    def measure_in_full(self, key: ShapeKey) -> None:
+        """Forget `key`'s profile: measure its memory anew before its next batch (a step of it
+        allocated more than its interpolated memory predicted: `guard.DerivedCheck`)."""
         self.full_memory.add(key)
         self.profiles.pop(key, None)
-        self.plans.pop(key, None)
-        logger.warning(
-            "adacc: bucket %s allocated more than its memory interpolated from %s predicted; "
-            "profiling it in full before its next batch",
-            key_text(key),
-            " and ".join(plan.profile.memory_from),
-        )
 
     def _measured(self, key: ShapeKey) -> list[ShapeKey]:
         """Buckets of `key`'s masking whose memory was measured (not interpolated)."""
@@ -216,29 +185,22 @@ class SessionProfiling:
         memory: bool = True,
     ) -> Profile:
         # On every rank: under ZeRO-3 / FSDP these forwards all-gather parameters.
-        with self.own_forwards():
+        with self.ctx.own_forwards():
             return profile_model(
-                self.model,
+                self.ctx.model,
                 sample,
-                codecs=self.config.codecs,
-                codec_params=self.config.codec_params(),
-                repeats=self.config.profile_repeats,
-                autocast=self.autocast,
+                codecs=self.ctx.config.codecs,
+                codec_params=self.ctx.config.codec_params(),
+                repeats=self.ctx.config.profile_repeats,
+                autocast=self.ctx.autocast,
                 reference=near,
                 probes=probes,
                 room=None if room is None else max(0, room - storage_nbytes(sample.values())),
-                head=self.config.head,
+                head=self.ctx.config.head,
                 memory=memory,
-                compile=self.config.compile,
-                codec_backends=self.config.codec_backends,
+                compile=self.ctx.config.compile,
+                codec_backends=self.ctx.config.codec_backends,
             )
-
-    def _pad_id(self) -> int | None:
-        pad = getattr(self.model.config, "pad_token_id", None)
-        return pad if isinstance(pad, int) else None
-
-    def _padded(self, batch: Mapping[str, Any], key: ShapeKey) -> dict[str, Any]:
-        return padded(batch, key, self._pad_id())
 
     def reuse_profiles(self, profiles: list[Profile], source: str) -> None:
         """Plan from these saved profiles (an earlier run's ``adacc_profiles.json``) where one's
@@ -253,17 +215,22 @@ class SessionProfiling:
         now: dict[str, str] = {"bucket": key_text(key)}
         bucket: list[Profile] = []
         if self.saved_profiles:  # this run's now: the autocast may have moved (`follow_autocast`)
-            c = self.config
+            c = self.ctx.config
             run = run_fingerprint(
-                self.model, self.autocast, c.codecs, c.codec_params(), c.compile, c.codec_backends
+                self.ctx.model,
+                self.ctx.autocast,
+                c.codecs,
+                c.codec_params(),
+                c.compile,
+                c.codec_backends,
             )
             now = {**run, "heads": c.head, **now}
             bucket = [
                 p for p in self.saved_profiles if p.fingerprint.get("bucket") == now["bucket"]
             ]
         match = next((p for p in bucket if p.fingerprint == now), None)
-        if self.coordinator.agree((int(match is None),))[0]:
-            if bucket and self.coordinator.leader:
+        if self.ctx.coordinator.agree((int(match is None),))[0]:
+            if bucket and self.ctx.coordinator.leader:
                 logger.info(
                     "adacc: the saved profile of bucket %s (%s) was measured otherwise; profiling "
                     "anew (%s)",
@@ -272,6 +239,6 @@ class SessionProfiling:
                     "; ".join(differences(bucket[-1].fingerprint, now)),
                 )
             return None
-        if self.coordinator.leader:
+        if self.ctx.coordinator.leader:
             logger.info("adacc: bucket %s planned from %s", now["bucket"], self._saved_source)
         return match

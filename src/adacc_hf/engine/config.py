@@ -204,7 +204,7 @@ def detect_autocast(
     ``prepare`` wraps ``model.forward`` in autocast, which starts after the pre-hooks run). With
     no `model` (no forward yet: `prepare` with a `sample_batch`, possibly before
     ``accelerator.prepare``) an initialized ``Accelerator``'s mixed precision is the guess; the
-    first training forward corrects it (`AdaccSession.follow_autocast`)."""
+    first training forward corrects it (`Planner.follow_autocast`)."""
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     if model is not None and not hasattr(model, "_original_forward"):

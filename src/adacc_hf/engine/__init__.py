@@ -1,0 +1,26 @@
+"""The engine: framework-neutral planning, patching and tracking of a training run.
+
+`session.AdaccSession` holds the parts, each an object with its own state around one
+`context.SessionContext`: `profiles` (a bucket's profile: measured, interpolated or saved),
+`solving` (a profile solved under the budget, its tables measured), `planner` (bucket -> plan),
+`tracking` (the rectifier; out-of-memory recovery with `oom` and `retry`), `guard` (reserved
+memory, interpolated buckets checked). Beside them: `config` (the options), `shapes` (buckets of
+batch shapes), `coordinator` (who decides across ranks), `autobatch` (the micro-batch), `saved`
+(profiles on disk), `plans` (what a session plans and reports). `integrations` adapts it to
+Trainer, TRL and Accelerate.
+"""
+
+from .config import AdaccConfig
+from .coordinator import Coordinator, DistributedCoordinator, coordinator_for_process
+from .plans import AdaccEvent, Plan
+from .session import AdaccSession
+
+__all__ = [
+    "AdaccConfig",
+    "AdaccEvent",
+    "AdaccSession",
+    "Coordinator",
+    "DistributedCoordinator",
+    "Plan",
+    "coordinator_for_process",
+]

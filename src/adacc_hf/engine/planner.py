@@ -1,0 +1,182 @@
+"""`Planner`: a bucket of batch shapes -> its plan, through the profile store and the solver.
+
+The session plans one policy per *bucket* of batch shapes (`shapes`): the first batch of a bucket
+is profiled (padded up to the bucket's edge, under the run's autocast) and solved; later batches
+of the bucket reuse that plan, so every batch of the run holds no more than what was planned. A
+policy given by the user applies to every shape as it is (`fixed`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import BudgetError
+from ..policy import Policy
+from ..policy.display import describe, metrics
+from ..profiler import BlockProbe
+from ..profiler.phases import format_phases, recording
+from ..runtime.context import outside_autocast
+from ..schema import Profile
+from ..solver import budget_window
+from .config import detect_autocast
+from .context import SessionContext
+from .guard import ReservedGuard
+from .plans import AdaccEvent, Plan
+from .profiles import ProfileStore, serves
+from .shapes import ShapeKey, key_text, shape_key
+from .solving import BucketSolver
+
+logger = logging.getLogger("adacc_hf")
+
+__all__ = ["Planner"]
+
+
+class Planner:
+    """The plans of a run, one per bucket (see the module docstring).
+
+    Args:
+        ctx: the session's shared state.
+        store: the session's profiles.
+        solver: solves a bucket's profile under the budget.
+        guard: the reserved-memory guard (a new bucket keeps the largest reserve it learnt).
+        policy: a user's policy (for every shape), or a resumed run's (for its bucket).
+        profile: the profile `policy` was solved on (a resumed run).
+    """
+
+    def __init__(
+        self,
+        ctx: SessionContext,
+        store: ProfileStore,
+        solver: BucketSolver,
+        guard: ReservedGuard,
+        policy: Policy | None = None,
+        profile: Profile | None = None,
+    ) -> None:
+        self.ctx, self.store, self.solver, self.guard = ctx, store, solver, guard
+        self.plans: dict[ShapeKey | None, Plan] = {}
+        self.current: Plan | None = None  # the plan the model runs
+        self.fixed = policy is not None and profile is None  # a user's policy, for every shape
+        if policy is not None:
+            key = None if self.fixed else tuple(policy.metadata.get("shape_key") or ()) or None
+            self.current = self.plans[key] = Plan(key, policy, profile)
+            self.fixed = key is None
+        # plans and profiles made under another autocast than the forwards now run under
+        self._shelved: dict[torch.dtype | None, tuple[dict, dict]] = {}
+        self._warned: set[str] = set()
+
+    def key_of(self, batch: Mapping[str, Any]) -> ShapeKey:
+        """The bucket of `batch`, agreed on by every rank (the largest of theirs)."""
+        ctx = self.ctx
+        encoder_decoder = bool(getattr(getattr(ctx.model, "config", None), "is_encoder_decoder", 0))
+        key = shape_key(batch, encoder_decoder, ctx.config.max_seq_len)
+        return ctx.coordinator.agree(key)
+
+    def plan(self, batch: Mapping[str, Any], key: ShapeKey | None = None) -> Plan:
+        """The plan of `batch`'s bucket: profiled (on `batch` padded to the bucket's edge) and
+        solved the first time, re-solved when the rectifier moved its codec statistics."""
+        if self.fixed:
+            return self.plans[None]
+        key = key if key is not None else self.key_of(batch)
+        plan = self.plans.get(key)
+        if plan is not None and not plan.stale:
+            return plan
+        with outside_autocast(self.ctx.device), recording() as phase_ms:  # as the step runs it
+            plan = self._replan(batch, key, plan)
+        plan.policy.metadata["planning_ms"] = {k: round(v, 1) for k, v in phase_ms.items()}
+        if self.ctx.coordinator.leader:
+            logger.info("adacc planning took %s", format_phases(phase_ms))
+        return plan
+
+    def _replan(self, batch: Mapping[str, Any], key: ShapeKey, plan: Plan | None) -> Plan:
+        ctx, store = self.ctx, self.store
+        probes: dict[str, BlockProbe] = {}
+        reserve = plan.reserve_nbytes if plan is not None else self.guard.learned_nbytes
+        room = store.profiling_room(batch)
+        if plan is not None:
+            profile = plan.profile
+        elif key in store.profiles and serves(store.profiles[key], ctx.config.head):
+            profile = store.profiles[key]
+        else:
+            profile, probes = store.profile_bucket(batch, key, room)
+        try:
+            sample = ctx.padded(batch, key) if probes else None  # the profiled batch
+            policy = self.solver.solve_measured(profile, probes, reserve, room, sample)
+        except BudgetError as e:
+            if self.current is None:  # the run's first plans: fail before any work is lost
+                raise
+            # A batch longer than any planned one, which the budget cannot hold: never silently
+            # over budget, and never a crash mid-run where full recomputation trains.
+            policy = self.solver.least_memory(profile)
+            if "over_budget" not in self._warned:
+                self._warned.add("over_budget")
+                logger.warning(
+                    "adacc: a batch of shape %s does not fit the budget under any policy (%s); "
+                    "it runs with full recomputation. Set adacc_max_seq_len (or max_length) to the "
+                    "run's longest batch so this is caught before training starts.",
+                    key_text(key),
+                    e,
+                )
+        policy.metadata["shape_key"] = list(key)
+        if not self.plans and ctx.coordinator.leader:  # the run's first plan: the range
+            acc, head = ctx.config.gradient_accumulation_steps, ctx.config.head
+            window = budget_window(profile, ctx.static_memory(), ctx.budget(), acc, head)
+            logger.info("adacc %s", window)
+        plan = self.plans[key] = Plan(key, policy, profile, reserve_nbytes=reserve)
+        msg = f"bucket {key_text(key)}: {describe(policy)}"
+        ctx.events.append(AdaccEvent(ctx.step, "policy", policy, msg, metrics(policy)))
+        if ctx.coordinator.leader:
+            logger.info("adacc plan for %s", msg)
+        logger.debug("adacc plan for %s:\n%s", key_text(key), policy.table())
+        return plan
+
+    def with_policy(self, policy: Policy) -> Plan:
+        """A plan of the current bucket that runs `policy` (a rectifier's switch)."""
+        cur = self.current
+        key, profile = (cur.key, cur.profile) if cur is not None else (None, None)
+        reserve = cur.reserve_nbytes if cur is not None else 0
+        plan = self.plans[key] = Plan(key, policy, profile, reserve_nbytes=reserve)
+        return plan
+
+    def follow_autocast(self) -> bool:
+        """Plan under the autocast this training forward runs under where it is not the one the
+        plans were made under (a custom loop that called `prepare` before
+        ``accelerator.prepare`` wrapped the model in its mixed precision): a policy traced in
+        another dtype would recompute every op it meant to keep. Plans of the other autocast are
+        kept for when it comes back. True where the plans were switched."""
+        ctx = self.ctx
+        now = detect_autocast(ctx.device, ctx.model)
+        if self.current is None or now == ctx.autocast:
+            return False
+        logger.info(
+            "adacc: training forwards run under autocast %s, the plans were made under %s: "
+            "planning again under %s",
+            now,
+            ctx.autocast,
+            now,
+        )
+        self._shelved[ctx.autocast] = (self.plans, self.store.profiles)
+        self.plans, self.store.profiles = self._shelved.pop(now, ({}, {}))
+        ctx.autocast = now
+        self.current = None
+        return True
+
+    def measure_in_full(self, plan: Plan) -> None:
+        """Profile `plan`'s bucket anew, its memory measured, before its next batch: a step of it
+        allocated more than its interpolated memory predicted (`guard.DerivedCheck`)."""
+        self.store.measure_in_full(plan.key)
+        self.plans.pop(plan.key, None)
+        logger.warning(
+            "adacc: bucket %s allocated more than its memory interpolated from %s predicted; "
+            "profiling it in full before its next batch",
+            key_text(plan.key),
+            " and ".join(plan.profile.memory_from),
+        )
+
+    def mark_stale(self) -> None:
+        """Every bucket is planned again before its next forward (the device reserve grew)."""
+        for plan in self.plans.values():
+            plan.stale = True

@@ -1,0 +1,346 @@
+"""`AdaccSession`: profile, solve, apply, and evolve the policy during training.
+
+Every entry point uses it: the Trainer callback, `AdaccTrainer`, and `adacc_hf.prepare` for custom
+loops and Accelerate. The session holds its parts, each an object with its own state around one
+`context.SessionContext`: the profiles (`profiles.ProfileStore`), the solver
+(`solving.BucketSolver`), the plans per bucket of batch shapes (`planner.Planner`), the rectifier
+and out-of-memory recovery (`tracking`), the reserved-memory guard (`guard`); it patches the model
+(`runtime.apply_adacc`) and plans before each training forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..adapters import unwrap_model
+from ..errors import AdaccError
+from ..evolution import TrackingSchedule
+from ..policy import Policy
+from ..runtime import AdaccHandle, apply_adacc
+from ..runtime.allocator import use_expandable_segments
+from ..runtime.checkpoint import own_eager_runs
+from ..runtime.quantized import check_trainable
+from ..schema import Profile
+from ..solver import StaticMemory
+from .config import AdaccConfig, detect_autocast
+from .context import SessionContext
+from .coordinator import Coordinator, coordinator_for_process
+from .guard import ReservedGuard
+from .planner import Planner
+from .plans import AdaccEvent, Plan
+from .profiles import ProfileStore
+from .shapes import ShapeKey
+from .solving import BucketSolver
+from .tracking import OomRecovery, Rectifier
+
+logger = logging.getLogger("adacc_hf")
+
+__all__ = ["AdaccConfig", "AdaccEvent", "AdaccSession", "Plan"]
+
+
+class AdaccSession:
+    """Owns the plans (profile + policy per bucket), the patch on the model and the rectifier.
+
+    Args:
+        model: the model to train (wrapped models are unwrapped).
+        config: the options (default: `AdaccConfig()`).
+        policy: a policy to run: the user's (for every shape), or a resumed run's with `profile`.
+        profile: the profile `policy` was solved on (a resumed run).
+        coordinator: who decides across ranks (default: the process group's, if any).
+        profiles: profiles by bucket to plan from (shared by sessions of the same model).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: AdaccConfig | None = None,
+        *,
+        policy: Policy | None = None,
+        profile: Profile | None = None,
+        coordinator: Coordinator | None = None,
+        profiles: dict[ShapeKey, Profile] | None = None,
+    ) -> None:
+        if profile is not None and policy is None:
+            raise AdaccError(
+                "AdaccSession(profile=...) goes with the policy solved on it (a resumed run); to "
+                "reuse a profile for planning, pass profiles={shape_key(batch): profile}"
+            )
+        # Distributed runs: every rank profiles and tracks in lockstep (on the bucket all ranks
+        # agree on); the coordinator's leader alone solves and decides.
+        ctx = SessionContext(
+            unwrap_model(model), config or AdaccConfig(), coordinator or coordinator_for_process()
+        )
+        self.ctx = ctx
+        self.store = ProfileStore(ctx, profiles)
+        self.solver = BucketSolver(ctx)
+        self.guard = ReservedGuard()
+        self.planner = Planner(ctx, self.store, self.solver, self.guard, policy, profile)
+        self.rectifier = Rectifier(ctx, self.planner)
+        self.oom = OomRecovery(ctx, self.planner)
+        self.handle: AdaccHandle | None = None
+        self._hook: Any = None
+        # The automatic micro-batch's choice (`autobatch`), for loops that build their own batches.
+        self.micro_batch: int | None = None
+        self.accumulation: int | None = None
+        self.batch_choice: Any = None  # `autobatch.BatchChoice`
+
+    # ------------------------------------------------------------ what callers read
+    model = property(lambda self: self.ctx.model)
+    config = property(lambda self: self.ctx.config)
+    coordinator = property(lambda self: self.ctx.coordinator)
+    device = property(lambda self: self.ctx.device)
+    derived_check = property(lambda self: self.ctx.derived_check)
+    events = property(lambda self: self.ctx.events)
+    plans = property(lambda self: self.planner.plans)
+    profiles = property(lambda self: self.store.profiles)
+    current = property(lambda self: self.planner.current)
+    fixed = property(lambda self: self.planner.fixed)
+    schedule = property(lambda self: self.rectifier.schedule)
+
+    @property
+    def step(self) -> int:
+        """The optimizer step the session is at (1-based; 0 before training)."""
+        return self.ctx.step
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The autocast dtype plans are made under (None: none, or not known yet)."""
+        return self.ctx.autocast
+
+    @autocast.setter
+    def autocast(self, value: torch.dtype | None) -> None:
+        self.ctx.autocast = value
+
+    @property
+    def static(self) -> StaticMemory | None:
+        """The step's static memory, once computed (set: plan with this one)."""
+        return self.ctx.static
+
+    @static.setter
+    def static(self, value: StaticMemory | None) -> None:
+        self.ctx.static = value
+
+    @property
+    def static_nbytes(self) -> int | None:
+        return self.ctx.static.total if self.ctx.static is not None else None
+
+    @property
+    def budget_nbytes(self) -> int | None:
+        """The budget in bytes, once resolved."""
+        return self.ctx.budget_nbytes
+
+    @budget_nbytes.setter
+    def budget_nbytes(self, value: int | None) -> None:
+        self.ctx.budget_nbytes = value
+
+    @property
+    def oom_reserve_nbytes(self) -> int:
+        """Bytes every plan keeps free below the budget after out-of-memory errors."""
+        return self.ctx.oom_reserve_nbytes
+
+    @oom_reserve_nbytes.setter
+    def oom_reserve_nbytes(self, value: int) -> None:
+        self.ctx.oom_reserve_nbytes = value
+
+    @property
+    def policy(self) -> Policy | None:
+        """The policy the model runs now."""
+        return self.current.policy if self.current is not None else None
+
+    @property
+    def profile(self) -> Profile | None:
+        """The profile of the plan the model runs now."""
+        return self.current.profile if self.current is not None else None
+
+    @property
+    def active(self) -> bool:
+        return self.handle is not None and self.handle.active
+
+    # ------------------------------------------------------------------ plans
+    def key_of(self, batch: Mapping[str, Any]) -> ShapeKey:
+        """The bucket of `batch`, agreed on by every rank (the largest of theirs)."""
+        return self.planner.key_of(batch)
+
+    def plan(self, batch: Mapping[str, Any], key: ShapeKey | None = None) -> Plan:
+        """The plan of `batch`'s bucket (`Planner.plan`)."""
+        return self.planner.plan(batch, key)
+
+    def reuse_profiles(self, profiles: list[Profile], source: str) -> None:
+        """Plan from these saved profiles (an earlier run's ``adacc_profiles.json``) where one's
+        fingerprint is this run's for the bucket; the rest are profiled anew."""
+        self.store.reuse_profiles(profiles, source)
+
+    def setup(self, batch: Mapping[str, Any], forward: bool = False) -> Policy:
+        """Plan `batch`'s bucket (and, when ``max_seq_len`` is set, the longest one, so a budget
+        too small for it fails now) and patch the model with the plan of `batch` (`forward`:
+        called as a training forward starts)."""
+        ctx = self.ctx
+        if ctx.autocast is None:
+            ctx.autocast = detect_autocast(ctx.device, ctx.model if forward else None)
+        use_expandable_segments(ctx.config.expandable_segments)
+        if ctx.config.max_seq_len and not self.fixed:
+            key = self.key_of(batch)
+            longest = (key[0], *(max(k, ctx.config.max_seq_len) for k in key[1:-1]), key[-1])
+            self.plan(batch, longest)
+        self.use(self.plan(batch))
+        return self.policy
+
+    def use(self, plan: Plan) -> None:
+        """Run `plan`'s policy from the next forward on."""
+        if plan is self.current and self.active:
+            return
+        self.model.__dict__["_adacc_session"] = self
+        if self.handle is not None and self.handle.active:
+            self.handle.set_policy(plan.policy)
+        else:
+            link = self.solver._link  # the cap its plans were made for (None: the default cap)
+            cap = link.host_cap_nbytes if link is not None else None
+            self.handle = apply_adacc(self.model, plan.policy, host_cap=cap or None)
+        self.planner.current = plan
+        if self.rectifier.tracker is not None:
+            self.handle.set_tracker(self.rectifier.tracker)
+
+    def apply(self, policy: Policy) -> None:
+        """Run `policy` for the current bucket."""
+        plan = self.planner.with_policy(policy)
+        self.planner.current = None
+        self.use(plan)
+
+    def attach(self) -> None:
+        """Plan and switch policies before each training forward (the first one profiles)."""
+        if self._hook is not None:
+            return
+        self.model.__dict__["_adacc_session"] = self
+        quantized = [p for p in self.model.parameters() if hasattr(p, "quant_state")]
+
+        def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if not module.training or self.ctx.planning:  # evaluation, or our own forwards
+                return None
+            # A training forward builds no KV cache: asked for by the config's default, each
+            # checkpointed layer would drop it with transformers' "Caching is incompatible with
+            # gradient checkpointing" warning, though the user enabled no checkpointing.
+            if kwargs.get("use_cache") is None and getattr(module.config, "use_cache", False):
+                kwargs["use_cache"] = False
+            batch = dict(kwargs)
+            if args:
+                batch.setdefault("input_ids", args[0])
+            self.oom.check()
+            if any(getattr(p.quant_state, "packing_format_for_cpu", False) for p in quantized):
+                check_trainable(self.model)  # bitsandbytes' inference repack: no backward
+            if self.config.autocast is None and not self.fixed:
+                self.planner.follow_autocast()
+            with own_eager_runs():
+                if self.current is None or not self.active:
+                    self.setup(batch, forward=True)
+                else:
+                    self.use(self.plan(batch))
+            self.derived_check.step_uses(self.current, self.device)
+            head = self.handle.head if self.handle is not None else None
+            if head is not None:  # installed in this hook: torch will not call its pre-hook now
+                head.arm(module, kwargs)
+            return args, kwargs
+
+        # Under torch.compile the hook runs eagerly (a graph break before the model): planning
+        # profiles, solves and patches, none of which a compiled graph may trace.
+        self._hook = self.model.register_forward_pre_hook(
+            torch.compiler.disable(before_forward), with_kwargs=True
+        )
+
+    # ------------------------------------------------------------------ steps
+    def on_step_begin(self, step: int) -> None:
+        """Call before the forward of optimizer step `step` (1-based)."""
+        self.ctx.step = step
+        if self.active:
+            tracker = self.rectifier.arm(step)
+            if tracker is not None:
+                self.handle.set_tracker(tracker)
+
+    def on_step_end(self, step: int) -> AdaccEvent | None:
+        """Call after optimizer step `step`: the reserved-memory guard; on tracking steps,
+        re-solve and maybe switch."""
+        ctx = self.ctx
+        for plan in ctx.derived_check.step_ended(ctx.device, ctx.coordinator.agree):
+            self.planner.measure_in_full(plan)
+        if self.active and not self.fixed:
+            guarded = self.guard.check(
+                self.current, ctx.budget_nbytes, ctx.device, step, ctx.coordinator.agree
+            )
+            if guarded is not None:
+                ctx.events.append(guarded)
+        tracker, self.rectifier.tracker = self.rectifier.tracker, None
+        if tracker is None or not self.active:
+            return None
+        self.handle.set_tracker(None)
+        event, new_policy = self.rectifier.decide(step, tracker)
+        if new_policy is not None:
+            self.apply(new_policy)
+        ctx.events.append(event)
+        return event
+
+    def step_done(self, step: int) -> AdaccEvent | None:
+        """For custom loops: call once after each optimizer step."""
+        event = self.on_step_end(step)
+        self.on_step_begin(step + 1)
+        return event
+
+    def out_of_memory(self, message: str = "") -> bool:
+        """After an out-of-memory error: grow the device reserve and re-plan every bucket
+        (`tracking.OomRecovery.out_of_memory`); False where only full recomputation was left."""
+        return self.oom.out_of_memory(message)
+
+    def check_oom(self) -> None:
+        """An out-of-memory error raised since the last check grows the device reserve."""
+        self.oom.check()
+
+    def run_step(
+        self, run: Callable[[Any], Any], batches: Iterable[Any] | Mapping[str, Any]
+    ) -> list[Any]:
+        """Custom loops: run one optimizer step's micro-batches, surviving out of memory.
+
+        ``run(batch)`` runs one micro-batch's forward and backward (``accelerator.backward``
+        included); call the optimizer after. A micro-batch that runs out of memory is re-planned
+        and the step's micro-batches run again from the first with their own random states, so
+        the gradients are those of a run that never failed (`retry`). Under several ranks errors
+        pass through (another rank would wait in a collective).
+
+        Args:
+            run: the function of one micro-batch; its results are returned in order.
+            batches: the step's micro-batches (or one batch).
+
+        Returns:
+            ``run``'s result for each micro-batch.
+        """
+        return self.oom.run_step(lambda: self, run, batches)
+
+    # ------------------------------------------------------------------ lifetime
+    def drain_events(self) -> list[AdaccEvent]:
+        events, self.ctx.events = self.ctx.events, []
+        return events
+
+    def close(self) -> None:
+        """Undo everything on the model (the policy and profile stay readable)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.handle is not None:
+            self.handle.set_tracker(None)
+            self.handle.remove()
+        if self.model.__dict__.get("_adacc_session") is self:
+            del self.model.__dict__["_adacc_session"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule.state_dict(),
+            "config": asdict(self.config),
+            "step": self.step,
+        }
+
+    def restore_schedule(self, state: dict[str, Any]) -> None:
+        """Continue a saved tracking schedule (resume)."""
+        self.rectifier.schedule = TrackingSchedule.from_state_dict(state)
