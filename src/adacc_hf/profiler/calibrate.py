@@ -15,7 +15,9 @@ The differences are the truth the per-op figures are scaled to (`Calibration.app
 ``recompute - plain`` = all recompute (ops + fixed), ``keep - plain`` = the block's output ops'
 recompute + the runtime's overhead on a block that keeps any op (``dispatch_ms``; never below
 the Python work its dispatch modes do on the calling thread, `overhead.dispatch_overhead_ms`,
-which no noise can hide), ``compress - keep`` = the codecs' encode + decode.
+timed by its least-disturbed runs), ``compress - keep`` = the codecs' encode + decode. Each is
+work added, never below 0 (`added_ms`): a difference lost in noise scales the profiled figures
+by the least `SCALE_RANGE` allows, never to a saving.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ..runtime.checkpoint import BlockRuntime
 from ..runtime.context import autocast_context, detached_input
 from ..runtime.offload import HostStore
 from ..runtime.overhead import dispatch_overhead_ms
-from ..runtime.timing import modelled_clock, sync, work_clock
+from ..runtime.timing import modelled_clock, paired_added_ms, sync, work_clock
 from ..schema import Action, GroupPolicy, OpProfile, OpSpec, Variant
 
 #: Scales outside this range are noise (e.g. a block of microseconds), not a measurement, unless
@@ -216,9 +218,13 @@ def interleaved_ms(
 
 
 def added_ms(times: dict[str, list[float]], a: str, b: str) -> float:
-    """Median over rounds of ``a - b`` within each round: a machine whose speed drifts (a shared
-    CPU, a clock boosting) shifts both alike, so the difference of one round holds."""
-    return statistics.median(x - y for x, y in zip(times[a], times[b], strict=True))
+    """What table `a` adds over table `b` (`b`'s work and more: a recompute, codecs, the
+    dispatch modes): the median over rounds of ``a - b`` within each round (a machine whose speed
+    drifts, a shared CPU, a clock boosting, shifts both alike, so the difference of one round
+    holds), never below 0 (`timing.paired_added_ms`): a table timed faster than the plain block
+    is noise, and a negative time would reach the plan as a saving (a loaded machine printed
+    -209.9 ms/step for a plan recomputing 6 blocks)."""
+    return paired_added_ms(times[a], times[b])
 
 
 def calibrate(

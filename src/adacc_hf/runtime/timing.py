@@ -9,6 +9,13 @@ Inside `modelled` (a dry run of `devices.dryrun`: a device this machine does not
 from its table), every clock here is the modelled one: the time at which the work issued so far
 has finished on that device. One run suffices (it is deterministic), and `modelled_device` gives
 the table's codec and host-link figures to the profiler.
+
+Added times (`added_work_ms`): what a recompute, a codec, an offload's copies or the runtime's
+dispatch modes add to a step is measured as a difference of two timings (the work with it and
+without), and on a loaded machine either can be the more disturbed one. The work itself takes no
+negative time, so every such difference goes through `added_work_ms` (never below 0), estimated
+from paired rounds (`paired_added_ms`) or the least-disturbed runs (`least_added_ms`): the one
+place the rule lives, for the profiler's figures and the cost model's sums alike.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -115,3 +122,51 @@ def elapsed_ms(elapsed: Any) -> float:
     if isinstance(elapsed, tuple):
         return elapsed[0].elapsed_time(elapsed[1])
     return float(elapsed)
+
+
+def added_work_ms(ms: float) -> float:
+    """`ms`, an estimate of the time some work adds (a recompute, an encode + decode, an
+    offload's copies, the dispatch modes' Python, a chunked head's rerun logits), bounded below
+    by 0. Such an estimate is a difference of two noisy timings, the work run and not run; work
+    takes no negative time, so a negative difference is noise (the run with the work was the
+    less disturbed one), never a saving a plan could bank. NaN (nothing measured) is 0 too."""
+    return ms if ms > 0.0 else 0.0
+
+
+def paired_added_ms(more: Sequence[float], less: Sequence[float]) -> float:
+    """What the work timed in `more` adds over `less` (ms), from rounds timed interleaved (the
+    i-th of each in the same round): the median of the rounds' differences (a machine whose
+    speed drifts, a shared CPU, a boosting clock, shifts both alike, and one disturbed round
+    of a few moves no median), never below 0 (`added_work_ms`)."""
+    diffs = [a - b for a, b in zip(more, less, strict=True)]
+    return added_work_ms(statistics.median(diffs)) if diffs else 0.0
+
+
+def least_added_ms(more: Sequence[float], less: Sequence[float]) -> float:
+    """What the work timed in `more` adds over `less` (ms), from each side's least-disturbed
+    run: their minima's difference, never below 0 (`added_work_ms`). For a small overhead on a
+    larger base timed on the calling thread: noise there (another job taking the core, an
+    OpenMP barrier the thread spins at while a worker waits for a core) only ever adds time,
+    so each minimum tends to the undisturbed time as runs accumulate, where a median of paired
+    differences still carries one side's disturbance."""
+    if not more or not less:
+        return 0.0
+    return added_work_ms(min(more) - min(less))
+
+
+#: The least of some runs is their undisturbed time once `FLOOR_RUNS` of them come within
+#: `FLOOR_AGREEMENT` of it (`floor_met`): undisturbed runs of a block differ by 10-30 % on a
+#: loaded 2-core machine, disturbed ones by milliseconds.
+FLOOR_RUNS = 3
+FLOOR_AGREEMENT = 0.25
+
+
+def floor_met(runs: Sequence[float]) -> bool:
+    """Whether the least of `runs` is met again: `FLOOR_RUNS` of them lie within
+    `FLOOR_AGREEMENT` of it. A disturbance adds some time at random, so runs that agree at the
+    bottom are undisturbed ones; a lone least run may still be disturbed (with 70 % of runs
+    disturbed, all 7 runs of one kind are one time in 12)."""
+    if len(runs) < FLOOR_RUNS:
+        return False
+    least = sorted(runs)[:FLOOR_RUNS]
+    return least[-1] <= least[0] + FLOOR_AGREEMENT * abs(least[0])

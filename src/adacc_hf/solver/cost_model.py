@@ -13,7 +13,13 @@ memory; the copies' time, `copy_ms`). Per block group: a checkpointed block hold
 ``full_nbytes``. Copies on a side stream (``OffloadLink.overlap``) cost a block only what
 outlasts its forward (out) or backward (back): `exposed_ms`. The step's peak is `step.step_peak` over those blocks. Once a solved policy's
 action tables have been timed whole on the profiled block (``Profile.variant_ms``), `predict`
-adds those times instead of the sums.
+adds those times instead of the sums (a table timed at 0, its difference from the plain block lost
+in noise, by its sums).
+
+Every time here is work a policy adds to the step without checkpointing, so none is below 0: the
+profiler's differences of two timings go through `runtime.timing.added_work_ms`, and so do those
+read here (the dispatch overhead, the chosen LM head's over the model's own, from any profile,
+saved ones included); a plan's added time is never a saving.
 
 The MILP bounds activations by one linear constraint (``held + transient <= cap``, `evaluate`);
 the solver then checks the whole step's peak of each candidate and adjusts the cap.
@@ -28,6 +34,7 @@ from ..codecs import dtype_named, get_codec
 from ..errors import PolicyError
 from ..policy import Policy
 from ..policy.consistency import keeps_statistics
+from ..runtime.timing import added_work_ms
 from ..schema import (
     ALWAYS_RETAIN,
     Action,
@@ -257,8 +264,9 @@ def head_transient(profile: Profile) -> int:
 
 
 def dispatch_ms(g: GroupProfile) -> float:
-    """Runtime overhead of one checkpointed block of ``g`` that keeps any op (0 if unmeasured)."""
-    return float(getattr(g, "dispatch_ms", 0.0) or 0.0)
+    """Runtime overhead of one checkpointed block of ``g`` that keeps any op (0 if unmeasured;
+    never below 0, `added_work_ms`)."""
+    return added_work_ms(float(getattr(g, "dispatch_ms", 0.0) or 0.0))
 
 
 def recompute_ms(groups: list[GroupModel]) -> float:
@@ -298,9 +306,17 @@ def block_loads(
             unprofiled += unknown
             blocks += [load] * v.count
             timed = profile.variant_ms.get(load.variant) if measured_ms else None
-            ms.append((math.fsum(t) if timed is None else timed) * v.count)
+            ms.append((timed if resolved(timed) else math.fsum(t)) * v.count)
         loads[name] = blocks
     return loads, math.fsum(ms), sorted(set(unprofiled))
+
+
+def resolved(timed: float | None) -> bool:
+    """Whether a table's time measured whole (``Profile.variant_ms``) prices it: where it was
+    measured above 0. The profiler never records less (`runtime.timing.paired_added_ms`); a 0 is
+    a difference lost in noise (as is a negative one in a profile saved before that rule), and
+    the table's per-op sums price it instead: a table that recomputes ops is never free."""
+    return timed is not None and timed > 0.0
 
 
 def variant_load(
@@ -420,7 +436,9 @@ def predict(
     return Prediction(
         held_nbytes=profile.nonblock_nbytes + shift.held + sum(held_in_order(profile, ordered)),
         per_block={g: [b.held for b in bl] for g, bl in loads.items()},
-        added_ms=added_ms + shift.ms,
+        # the chunked head runs the full head's matmuls and reruns each chunk's logits in
+        # backward: work added, never a saving (`added_work_ms`)
+        added_ms=added_ms + added_work_ms(shift.ms),
         transient_nbytes=transient,
         static_nbytes=static,
         peak_nbytes=est.peak_nbytes,
