@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = prepare(
         probe_model, "100GiB", batch, optimizer=optimizer_with_states(probe_model), **kw
     )
-    lo, hi = extreme_peaks(probe.profile, probe._static(), 1, "full")
+    lo, hi = extreme_peaks(probe.profile, probe.ctx.static_memory(), 1, "full")
     res: dict = {
         "model": spec.name,
         "batch": [spec.main_batch, spec.seq_len],

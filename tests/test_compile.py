@@ -266,7 +266,7 @@ def _planned(
         kw["compile"] = backend
     probe = prepare(model, "100GiB", batch, **{**kw, "compile": backend})
     assert probe.profile.compiled["backend"] == backend
-    lo, hi = extreme_peaks(probe.profile, probe._static(), 1, "full")
+    lo, hi = extreme_peaks(probe.profile, probe.ctx.static_memory(), 1, "full")
     probe.close()
     budget = int(lo.peak_nbytes + fraction * (hi.peak_nbytes - lo.peak_nbytes))
     session = prepare(model, budget, batch, **kw)

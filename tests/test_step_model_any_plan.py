@@ -102,7 +102,7 @@ def setting():
 
 
 def planned(profile: Profile, probes, static, budget: int, room: int):
-    """`budget`'s plan as a session makes it (`integrations.solving.solve_measured`): solved,
+    """`budget`'s plan as a session makes it (`engine.solving.BucketSolver.solve_measured`): solved,
     the action tables it runs measured on the profiled block within `room`, solved again until
     no table is new; and its prediction with them."""
     policy = solve_policy(profile, budget, static_nbytes=static)

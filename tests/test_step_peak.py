@@ -344,7 +344,7 @@ def test_kept_dropout_masks_hold_their_generator_state_in_the_prediction():
     for fraction in (0.6, 0.9):
         budget = budget_between(prof, static, fraction)
         config = AdaccConfig(budget=budget, adaptive=False, optimizer="adamw_torch")
-        policy = AdaccSession(model, config).solve_measured(copy.deepcopy(prof), probes)
+        policy = AdaccSession(model, config).solver.solve_measured(copy.deepcopy(prof), probes)
         session = AdaccSession(model, config, policy=policy)
         session.setup(batch)
         try:

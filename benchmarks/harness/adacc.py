@@ -122,7 +122,7 @@ def solved_session(
     else:
         solver.static = StaticMemory(params=int(static), grads=0, optimizer=0, master_weights=0)
     profile = copy.deepcopy(profile)
-    policy = solver.solve_measured(profile, probes or {})
+    policy = solver.solver.solve_measured(profile, probes or {})
     session = AdaccSession(model, cfg, policy=policy, profile=profile)
     session.static = solver.static
     return session

@@ -124,20 +124,9 @@ class BucketSolver:
         with phase("solve"):
             policy = self.ctx.coordinator.share(lambda: self.solve(profile, reserve, bound))
         for attempt in range(3 if probes else 0):
-            with self.ctx.own_forwards():
-                rounds = self.ctx.config.profile_repeats
-                with phase("action_tables"):
-                    new = measure_policy(
-                        profile,
-                        probes,
-                        policy,
-                        self.ctx.autocast,
-                        rounds,
-                        room,
-                        self.ctx.config.compile,
-                    )
-                with phase("policy_error"):
-                    err = policy_block_error(probes, policy, self.ctx.autocast) if bound else 0.0
+            new = self._measure_tables(profile, probes, policy, room)
+            with self.ctx.own_forwards(), phase("policy_error"):
+                err = policy_block_error(probes, policy, self.ctx.autocast) if bound else 0.0
             policy.metadata["measured_grad_error"] = err
             limit = self.ctx.config.max_grad_error
             if limit is not None and bound and err > 1.05 * limit and attempt < 2:
@@ -152,6 +141,17 @@ class BucketSolver:
                 policy = self._use_slack(profile, probes, batch, policy, reserve, room, bound)
             policy = self._within_budget(profile, probes, policy, reserve, room)
         return self._compiled(policy)
+
+    def _measure_tables(
+        self, profile: Profile, probes: dict[str, BlockProbe], policy: Policy, room: int | None
+    ) -> int:
+        """Measure and time the action tables `policy` runs on the profiled blocks (their real
+        transients go into `profile`); how many were new."""
+        c = self.ctx.config
+        with self.ctx.own_forwards(), phase("action_tables"):
+            return measure_policy(
+                profile, probes, policy, self.ctx.autocast, c.profile_repeats, room, c.compile
+            )
 
     def _measure_plan(
         self, profile: Profile, batch: Mapping[str, Any], policy: Policy, room: int | None
@@ -215,11 +215,7 @@ class BucketSolver:
         other_key = plan_key_of(profile, other)
         if other_key == plan_key_of(profile, policy):
             return policy
-        with self.ctx.own_forwards(), phase("action_tables"):
-            rounds = self.ctx.config.profile_repeats
-            measure_policy(
-                profile, probes, other, self.ctx.autocast, rounds, room, self.ctx.config.compile
-            )
+        self._measure_tables(profile, probes, other, room)
         self._measure_plan(profile, batch, self._compiled(other), room)
         second = predict(profile, other, static, acc)
         unmeasured = other_key not in profile.compiled.get("plans", {})
@@ -274,17 +270,7 @@ class BucketSolver:
                 except AdaccError:  # nothing fits below the excess (the leader's BudgetError)
                     fits = False
                 else:
-                    with self.ctx.own_forwards(), phase("action_tables"):
-                        rounds = self.ctx.config.profile_repeats
-                        measure_policy(
-                            profile,
-                            probes,
-                            policy,
-                            self.ctx.autocast,
-                            rounds,
-                            room,
-                            self.ctx.config.compile,
-                        )
+                    self._measure_tables(profile, probes, policy, room)
                     final = predict(profile, policy, static, acc)
                     fits = self.ctx.coordinator.agree((final.peak_nbytes,))[0] <= limit
                 if not fits:

@@ -1,4 +1,4 @@
-"""Bucket edges of lengths: the one rule both the plans per batch shape (`integrations.shapes`)
+"""Bucket edges of lengths: the one rule both the plans per batch shape (`engine.shapes`)
 and the runtime's slot tables (`runtime.slots.call_signature`) round lengths with."""
 
 from __future__ import annotations
