@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..adapters.plain import plain_model
 from ..profiler import BlockProbe, capture_probes, profile_model
 from ..profiler.derive import chord_excess, contains, interpolate_memory, length_share, ratio
 from ..profiler.fingerprint import differences, run_fingerprint
@@ -128,7 +129,12 @@ class SessionProfiling:
         )[1]
         # a sharded model's backward is estimated from what it holds (`memory.estimate`), not
         # measured: the chord's bound holds for measured levels only
-        derive = key not in self.full_memory and derivable(batch) and not sharded(self.model)
+        derive = (
+            key not in self.full_memory
+            and derivable(batch)
+            and not sharded(self.model)
+            and plain_model(self.model) is None  # its batches cannot be cut to the tiny bucket
+        )
         outer = self._outer(key) if derive else None
         if self.coordinator.leader:
             logger.info(
@@ -238,6 +244,8 @@ class SessionProfiling:
         return pad if isinstance(pad, int) else None
 
     def _padded(self, batch: Mapping[str, Any], key: ShapeKey) -> dict[str, Any]:
+        if plain_model(self.model) is not None:  # keyed exactly, never padded (`exact_key`)
+            return dict(batch)
         return padded(batch, key, self._pad_id())
 
     def reuse_profiles(self, profiles: list[Profile], source: str) -> None:

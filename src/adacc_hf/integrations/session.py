@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from ..adapters import unwrap_model
+from ..adapters.forward import call_batch
+from ..adapters.plain import plain_model
 from ..errors import AdaccError, BudgetError
 from ..evolution import OutlierTracker, TrackingSchedule
 from ..policy import Policy
@@ -31,6 +33,7 @@ from ..runtime.capacity import oom_count
 from ..runtime.checkpoint import own_eager_runs
 from ..runtime.context import outside_autocast
 from ..runtime.peak import live_state_nbytes
+from ..runtime.plain import check_forward
 from ..runtime.quantized import check_trainable
 from ..schema import Profile
 from ..solver import (
@@ -44,7 +47,7 @@ from .coordinator import Coordinator, coordinator_for_process
 from .guard import DerivedCheck, ReservedGuard
 from .plans import AdaccEvent, Plan
 from .profiling import serves
-from .shapes import ShapeKey, key_text, shape_key
+from .shapes import ShapeKey, exact_key, key_text, shape_key
 from .steps import StepHooks
 
 logger = logging.getLogger("adacc_hf")
@@ -129,6 +132,8 @@ class AdaccSession(StepHooks):
 
     def key_of(self, batch: Mapping[str, Any]) -> ShapeKey:
         """The bucket of `batch`, agreed on by every rank (the largest of theirs)."""
+        if plain_model(self.model) is not None:  # never padded: each shape as it comes
+            return self.coordinator.agree(exact_key(batch))
         config = self.model.config
         encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
         return self.coordinator.agree(shape_key(batch, encoder_decoder, self.config.max_seq_len))
@@ -194,10 +199,12 @@ class AdaccSession(StepHooks):
         """Plan `batch`'s bucket (and, when ``max_seq_len`` is set, the longest one, so a budget
         too small for it fails now) and patch the model with the plan of `batch` (`forward`:
         called as a training forward starts)."""
+        with self.own_forwards():  # a plain model's blocks and loss, before any profiling
+            check_forward(self.model, batch)
         if self.autocast is None:
             self.autocast = detect_autocast(self.device, self.model if forward else None)
         use_expandable_segments(self.config.expandable_segments)
-        if self.config.max_seq_len and not self.fixed:
+        if self.config.max_seq_len and not self.fixed and plain_model(self.model) is None:
             key = self.key_of(batch)
             longest = (key[0], *(max(k, self.config.max_seq_len) for k in key[1:-1]), key[-1])
             self.plan(batch, longest)
@@ -262,11 +269,10 @@ class AdaccSession(StepHooks):
             # A training forward builds no KV cache: asked for by the config's default, each
             # checkpointed layer would drop it with transformers' "Caching is incompatible with
             # gradient checkpointing" warning, though the user enabled no checkpointing.
-            if kwargs.get("use_cache") is None and getattr(module.config, "use_cache", False):
+            config = getattr(module, "config", None)  # none on a plain PyTorch model
+            if kwargs.get("use_cache") is None and getattr(config, "use_cache", False):
                 kwargs["use_cache"] = False
-            batch = dict(kwargs)
-            if args:
-                batch.setdefault("input_ids", args[0])
+            batch = call_batch(module, args, kwargs)
             self.check_oom()
             if any(getattr(p.quant_state, "packing_format_for_cpu", False) for p in quantized):
                 check_trainable(self.model)  # bitsandbytes' inference repack: no backward
