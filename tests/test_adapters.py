@@ -155,3 +155,95 @@ def test_fused_experts_matmuls_alternate_up_and_down():
 def test_dummy_batch_traces_without_user_data(family):
     policy = uniform_policy(assets.tiny_model(family), "recompute")
     assert policy.groups
+
+
+# ------------------------------------------------------------------ plain PyTorch models
+class _Mix(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = (
+            nn.Linear(width, 2 * width),
+            nn.GELU(),
+            nn.Linear(2 * width, width),
+        )
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class _Other(_Mix):
+    pass
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.ModuleList([_Mix(), _Mix()])
+        self.dec = nn.ModuleDict({"a": _Other(), "b": _Other()})
+
+    def forward(self, x):
+        for m in [*self.enc, *self.dec.values()]:
+            x = m(x)
+        return x.square().mean()
+
+
+def test_plain_blocks_by_pattern_container_or_list_resolve_alike():
+    from adacc_hf.adapters import plain
+
+    model = _Stack()
+    want = ["enc.0", "enc.1"]
+    assert plain.resolve_blocks(model, "enc.*") == want  # `*` is one path component
+    assert plain.resolve_blocks(model, model.enc) == want
+    assert plain.resolve_blocks(model, [model.enc[1], "enc.0"]) == want
+    assert plain.resolve_blocks(model, ["enc.*", "dec.*"]) == [*want, "dec.a", "dec.b"]
+    assert plain.resolve_blocks(model, "enc") == want  # a list names its blocks
+    with pytest.raises(UnsupportedModelError, match="matches no module.*'enc.\\*' or 'dec.\\*'"):
+        plain.resolve_blocks(model, "layers.*")
+    with pytest.raises(UnsupportedModelError, match="inside another block"):
+        plain.resolve_blocks(model, ["enc.*", "enc.0.fc1"])
+
+
+def test_plain_blocks_group_by_class_and_are_typed_by_the_generic_rules():
+    import torch
+
+    from adacc_hf.adapters import PlainAdapter, plain
+
+    model = _Stack()
+    plain.register(model, ["enc.*", "dec.*"])
+    try:
+        adapter = get_adapter(model)
+        assert isinstance(adapter, PlainAdapter) and adapter.model_type(model) == "plain:_Stack"
+        groups = {g.name: g.paths for g in adapter.block_groups(model)}
+        assert groups == {"mix": ["enc.0", "enc.1"], "other": ["dec.a", "dec.b"]}
+        trace = trace_model(model, {"x": torch.randn(2, 4, 8)})
+        types = {o.key: o.layer_type for o in trace.groups["mix"].ops}
+        assert types["fc1/addmm#0"] == "mlp_up" and types["act/gelu#0"] == "act"
+        assert types["fc2/addmm#0"] == "mlp_down"
+    finally:
+        plain.unregister(model)
+    with pytest.raises(UnsupportedModelError, match="blocks="):
+        get_adapter(model)  # no transformers blocks: the error names what to pass
+
+
+def test_the_plain_forward_hook_is_counted_and_restores_the_forward():
+    import torch
+
+    from adacc_hf.adapters.forward import hook_forward, unhook_forward
+
+    block = _Mix()
+    own = block.forward  # an instance-level forward of the user's own stays theirs
+    block.forward = own
+    calls = []
+    hook_forward(block)
+    hook_forward(block)
+    block.gradient_checkpointing = True
+    block._gradient_checkpointing_func = lambda fn, *args: calls.append(1) or fn(*args)
+    x = torch.randn(2, 8)
+    block(x)
+    with torch.no_grad():
+        block(x)  # no gradients: no checkpoint
+    assert calls == [1]
+    unhook_forward(block)
+    assert block.forward.__func__ is not own.__func__  # still hooked once
+    unhook_forward(block)
+    assert vars(block)["forward"] is own

@@ -24,6 +24,7 @@ __all__ = [
     "BlockGroup",
     "classify_attention_ops",
     "classify_experts_ops",
+    "unwrap_model",
 ]
 
 # aten packets that start the attention core: the scores matmul (or a fused kernel).
@@ -89,6 +90,21 @@ def classify_experts_ops(packets: list[str]) -> list[str]:
     return types
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside PEFT, DDP, DeepSpeed, FSDP1 and `torch.compile` wrappers
+    (``get_base_model()``, ``.module``, ``._orig_mod``, repeatedly)."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            model = model.get_base_model()
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+    return model
+
+
 @dataclass
 class BlockGroup:
     """Blocks that share one structure (and therefore one per-op table)."""
@@ -128,6 +144,10 @@ class Adapter:
 
     def check(self, model: nn.Module) -> None:
         """Raise `UnsupportedModelError` (saying what to change) if the model cannot run."""
+
+    def model_type(self, model: nn.Module) -> str:
+        """The model's family as policies and profiles record it (``config.model_type``)."""
+        return str(unwrap_model(model).config.model_type)
 
     def block_groups(self, model: nn.Module) -> list[BlockGroup]:
         blocks = self.find_blocks(model)

@@ -127,8 +127,9 @@ class GenericAdapter(Adapter):
                 "adacc-hf patches models whose transformer blocks derive from "
                 "transformers.modeling_layers.GradientCheckpointingLayer (every decoder and encoder "
                 "layer of transformers >= 5; verified end to end on "
-                f"{', '.join(VERIFIED_MODEL_TYPES)}). Upgrade transformers, or derive your block "
-                "class from GradientCheckpointingLayer."
+                f"{', '.join(VERIFIED_MODEL_TYPES)}). Upgrade transformers, derive your block "
+                "class from GradientCheckpointingLayer, or name the blocks: "
+                "adacc_hf.prepare(model, budget, batch, blocks='layers.*') (docs/families.md)."
             )
         seen: set[type] = set()
         for path, block in blocks:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from .base import Adapter
+from .base import Adapter, unwrap_model
 from .generic import VERIFIED_MODEL_TYPES, GenericAdapter
+from .plain import plain_model
 from .t5 import T5
 
 GENERIC = GenericAdapter()
@@ -16,23 +17,9 @@ OVERRIDES: dict[str, Adapter] = {"t5": T5}
 
 def supported_model_types() -> list[str]:
     """The model types verified end to end; any model whose blocks are transformers'
-    `GradientCheckpointingLayer`s runs through the generic adapter."""
+    `GradientCheckpointingLayer`s runs through the generic adapter, any other through
+    ``prepare(..., blocks=...)`` (`plain`)."""
     return sorted(VERIFIED_MODEL_TYPES)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside PEFT, DDP, DeepSpeed, FSDP1 and `torch.compile` wrappers
-    (``get_base_model()``, ``.module``, ``._orig_mod``, repeatedly)."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "get_base_model") and callable(model.get_base_model):
-            model = model.get_base_model()
-        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-    return model
 
 
 def get_adapter(model_or_type: nn.Module | str) -> Adapter:
@@ -44,12 +31,17 @@ def get_adapter(model_or_type: nn.Module | str) -> Adapter:
     if isinstance(model_or_type, str):
         return OVERRIDES.get(model_or_type, GENERIC)
     base = unwrap_model(model_or_type)
+    plain = plain_model(base)
+    if plain is not None:  # blocks named by the user (`plain.register`)
+        return plain.adapter
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     if model_type is None:
         raise UnsupportedModelError(
             f"{type(base).__name__} has no `config.model_type`: adacc-hf patches transformers "
             "models whose blocks are GradientCheckpointingLayers (verified: "
-            f"{', '.join(supported_model_types())})."
+            f"{', '.join(supported_model_types())}); for any other PyTorch model name its "
+            "repeated blocks: adacc_hf.prepare(model, budget, batch, blocks='layers.*', "
+            "loss=...) (docs/families.md)."
         )
     adapter = OVERRIDES.get(model_type, GENERIC)
     adapter.check(base)

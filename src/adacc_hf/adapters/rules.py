@@ -4,7 +4,8 @@
 container whose own code is glue), and names the modules whose own code holds the attention core
 and the fused mixture-of-experts modules. The rules cover the naming conventions of the
 transformers families (LLaMA-likes, GPT-2 / GPT-J / GPT-NeoX / Falcon / Bloom, BERT-likes, T5,
-BART, ModernBERT, MoE routers and experts); anything unrecognised is left to its parent, and code
+BART, ModernBERT, MoE routers and experts) and of plain PyTorch models (nanoGPT, torchtitan's
+``wq`` / ``wk`` / ``wv`` / ``wo``, timm's ``qkv`` / ``proj``); anything unrecognised is left to its parent, and code
 in no recognised module is `elementwise` (its codec is the outlier-robust one).
 """
 
@@ -20,10 +21,10 @@ QKV_NAMES = frozenset(
         "q_proj", "k_proj", "v_proj", "qkv_proj", "kv_proj", "query", "key", "value",
         "query_key_value", "c_attn", "q_attn", "wqkv", "q_lin", "k_lin", "v_lin", "query_proj",
         "key_proj", "value_proj", "q", "k", "v", "in_proj", "qkv", "q_a_proj", "q_b_proj",
-        "kv_a_proj_with_mqa", "kv_b_proj",
+        "kv_a_proj_with_mqa", "kv_b_proj", "wq", "wk", "wv",
     }
 )  # fmt: skip
-ATTN_OUT_NAMES = frozenset({"o_proj", "out_proj", "dense", "c_proj", "o", "wo", "out_lin"})
+ATTN_OUT_NAMES = frozenset({"o_proj", "out_proj", "dense", "c_proj", "o", "wo", "out_lin", "proj"})
 MLP_UP_NAMES = frozenset(
     {
         "gate_proj", "up_proj", "gate_up_proj", "fc1", "w1", "w3", "c_fc", "dense_h_to_4h",

@@ -34,7 +34,7 @@ from ..errors import AdaccError, BudgetError
 from ..policy import Policy
 from ..runtime import apply_adacc
 from ..runtime.context import autocast_context
-from ..runtime.peak import loss_of
+from ..runtime.peak import forward_loss
 from ..schema import Profile
 from ..solver import least_memory_policy
 from ..units import fmt_bytes
@@ -142,7 +142,7 @@ def _time_step_ms(
                 p.grad = None
             t0 = time.perf_counter()
             with autocast_context(device, autocast):
-                loss = loss_of(model(**batch))
+                loss = forward_loss(model, batch)
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..adapters.plain import plain_model
 from ..runtime.peak import live_state_nbytes
 from ..runtime.sharded import forwards_without_backward
 from ..solver import StaticMemory, estimate_static_memory, parse_budget
@@ -92,5 +93,8 @@ class SessionContext:
         return pad if isinstance(pad, int) else None
 
     def padded(self, batch: Mapping[str, Any], key: ShapeKey) -> dict[str, Any]:
-        """`batch` padded to the edge of bucket `key`."""
+        """`batch` padded to the edge of bucket `key` (a plain PyTorch model's batches are keyed
+        exactly and never padded: `shapes.exact_key`)."""
+        if plain_model(self.model) is not None:
+            return dict(batch)
         return padded(batch, key, self.pad_id())

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.plain import plain_model
 from ..errors import BudgetError
 from ..policy import Policy
 from ..policy.display import describe, metrics
@@ -27,7 +28,7 @@ from .context import SessionContext
 from .guard import ReservedGuard
 from .plans import AdaccEvent, Plan
 from .profiles import ProfileStore, serves
-from .shapes import ShapeKey, key_text, shape_key
+from .shapes import ShapeKey, exact_key, key_text, shape_key
 from .solving import BucketSolver
 
 logger = logging.getLogger("adacc_hf")
@@ -71,6 +72,8 @@ class Planner:
     def key_of(self, batch: Mapping[str, Any]) -> ShapeKey:
         """The bucket of `batch`, agreed on by every rank (the largest of theirs)."""
         ctx = self.ctx
+        if plain_model(ctx.model) is not None:  # never padded: each shape as it comes
+            return ctx.coordinator.agree(exact_key(batch))
         encoder_decoder = bool(getattr(getattr(ctx.model, "config", None), "is_encoder_decoder", 0))
         key = shape_key(batch, encoder_decoder, ctx.config.max_seq_len)
         return ctx.coordinator.agree(key)

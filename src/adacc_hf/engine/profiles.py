@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.plain import plain_model
 from ..profiler import BlockProbe, capture_probes, profile_model
 from ..profiler.derive import chord_excess, contains, interpolate_memory, length_share, ratio
 from ..profiler.fingerprint import differences, run_fingerprint
@@ -105,7 +106,12 @@ class ProfileStore:
         )[1]
         # a sharded model's backward is estimated from what it holds (`memory.estimate`), not
         # measured: the chord's bound holds for measured levels only
-        derive = key not in self.full_memory and derivable(batch) and not sharded(self.ctx.model)
+        derive = (
+            key not in self.full_memory
+            and derivable(batch)
+            and not sharded(self.ctx.model)
+            and plain_model(self.ctx.model) is None  # its batches cannot be cut to the tiny bucket
+        )
         outer = self._outer(key) if derive else None
         if self.ctx.coordinator.leader:
             logger.info(

@@ -19,12 +19,15 @@ import torch
 from torch import nn
 
 from ..adapters import unwrap_model
+from ..adapters.forward import call_batch
+from ..adapters.plain import plain_model
 from ..errors import AdaccError
 from ..evolution import TrackingSchedule
 from ..policy import Policy
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.allocator import use_expandable_segments
 from ..runtime.checkpoint import own_eager_runs
+from ..runtime.plain import check_forward
 from ..runtime.quantized import check_trainable
 from ..schema import Profile
 from ..solver import StaticMemory
@@ -181,10 +184,12 @@ class AdaccSession:
         too small for it fails now) and patch the model with the plan of `batch` (`forward`:
         called as a training forward starts)."""
         ctx = self.ctx
+        with ctx.own_forwards():  # a plain model's blocks and loss, before any profiling
+            check_forward(ctx.model, batch)
         if ctx.autocast is None:
             ctx.autocast = detect_autocast(ctx.device, ctx.model if forward else None)
         use_expandable_segments(ctx.config.expandable_segments)
-        if ctx.config.max_seq_len and not self.fixed:
+        if ctx.config.max_seq_len and not self.fixed and plain_model(ctx.model) is None:
             key = self.key_of(batch)
             longest = (key[0], *(max(k, ctx.config.max_seq_len) for k in key[1:-1]), key[-1])
             self.plan(batch, longest)
@@ -225,11 +230,10 @@ class AdaccSession:
             # A training forward builds no KV cache: asked for by the config's default, each
             # checkpointed layer would drop it with transformers' "Caching is incompatible with
             # gradient checkpointing" warning, though the user enabled no checkpointing.
-            if kwargs.get("use_cache") is None and getattr(module.config, "use_cache", False):
+            config = getattr(module, "config", None)  # none on a plain PyTorch model
+            if kwargs.get("use_cache") is None and getattr(config, "use_cache", False):
                 kwargs["use_cache"] = False
-            batch = dict(kwargs)
-            if args:
-                batch.setdefault("input_ids", args[0])
+            batch = call_batch(module, args, kwargs)
             self.oom.check()
             if any(getattr(p.quant_state, "packing_format_for_cpu", False) for p in quantized):
                 check_trainable(self.model)  # bitsandbytes' inference repack: no backward

@@ -91,6 +91,17 @@ def shape_key(
     return (*key, int(has_padding(batch) or is_packed(batch)))
 
 
+def exact_key(batch: Mapping[str, Any]) -> ShapeKey:
+    """A plain PyTorch model's bucket (`adapters.plain`): (rows, the most elements a row of one
+    of its tensors holds, 0), exact. Its batches are never padded (an image's channels, a
+    position table's length: padding a dimension of an arbitrary model's input may break it), so
+    each shape is planned as it comes."""
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()]
+    rows = max((v.shape[0] for v in tensors), default=0)
+    per_row = max((v.numel() // max(1, v.shape[0]) for v in tensors), default=0)
+    return (rows, per_row, 0)
+
+
 def _positions_fill(v: torch.Tensor, n: int, masked: bool) -> torch.Tensor:
     """`n` more position ids for each row of `v`: a new sequence (0, 1, ...) in a masked bucket,
     else the row's own positions continued (one sequence stays one sequence)."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..adapters import plain
 from ..engine.autobatch import choose_micro_batch, rows
 from ..engine.config import AdaccConfig
 from ..engine.session import AdaccSession
@@ -29,6 +30,8 @@ def prepare(
     adaptive: bool = True,
     auto_batch_size: bool = False,
     global_batch: int | None = None,
+    blocks: plain.BlocksSpec | None = None,
+    loss: plain.LossFn | None = None,
     **config: Any,
 ) -> AdaccSession:
     """Adacc for custom loops and Accelerate: profile, solve and patch `model`.
@@ -49,7 +52,48 @@ def prepare(
     predicted tokens/s whose step fits the budget (`autobatch.choose_micro_batch`). Build your
     batches of ``session.micro_batch`` rows and accumulate ``session.accumulation`` of them per
     optimizer step; ``session.batch_choice`` holds every candidate.
+
+    **Any PyTorch model with repeated blocks** (not a transformers model): name the blocks with
+    `blocks`, and give `loss` where the model's output is not its loss. Blocks of one class share
+    one profile; batches are mappings of the forward's arguments by name (plus what `loss`
+    reads) and are never padded: each batch shape gets its own plan. Before any profiling, one
+    forward of the sample (or first) batch without gradients checks that every block runs once
+    and the loss is a scalar (`runtime.plain.check_forward`). See docs/families.md.
+
+    Args:
+        model: the model to patch (or a wrapper of it: DDP, PEFT, Accelerate).
+        budget: the step's memory budget: bytes, ``"20GiB"``, ``"80%"`` or ``"auto"``.
+        sample_batch: a training micro-batch to plan on now (None: the first training forward's).
+        policy: a saved policy (object or JSON path) to run as it is.
+        codecs: the codecs profiled per op (default: each layer type's own).
+        adaptive: re-measure codecs and switch policy on tracking steps (``session.step_done``).
+        auto_batch_size: also choose the micro-batch (needs `sample_batch`).
+        global_batch: rows per optimizer step for `auto_batch_size`.
+        blocks: the repeated blocks of a plain PyTorch model: a path pattern (``"layers.*"``,
+            ``"transformer.h.*"``: ``*`` matches one path component), a container
+            (``model.layers``), or a list of modules, paths or patterns. None: transformers'
+            `GradientCheckpointingLayer` blocks.
+        loss: ``loss(output, batch) -> scalar tensor`` when the model returns no loss (e.g.
+            ``lambda out, batch: F.cross_entropy(out, batch["labels"])``).
+        **config: `AdaccConfig` fields (``optimizer=``, ``headroom=``, ...).
+
+    Returns:
+        The session (``session.close()`` undoes the patch).
+
+    Raises:
+        UnsupportedModelError: bad `blocks` or `loss` (no module matches, blocks of one class
+            that differ in structure, a block the forward does not call); the message says what
+            to change.
     """
+    if blocks is not None or loss is not None:
+        plain.register(model, blocks, loss)
+        if auto_batch_size:
+            raise AdaccError(
+                "prepare(auto_batch_size=True) does not take blocks= / loss= yet: choose the "
+                "micro-batch yourself"
+            )
+    else:
+        plain.unregister(model)  # an earlier prepare's blocks no longer apply
     if config.get("optimizer") is not None and not isinstance(config["optimizer"], str):
         config["optimizer"] = optimizer_name(config["optimizer"])  # the object the loop steps
     if isinstance(policy, str):

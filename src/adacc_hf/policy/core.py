@@ -233,7 +233,7 @@ class Policy:
             )
         adapter = get_adapter(model)
         base = unwrap_model(model)
-        model_type = base.config.model_type
+        model_type = adapter.model_type(base)
         if model_type != self.model_type:
             raise PolicyError(
                 f"this policy was made for a {self.model_type!r} model, not {model_type!r}: "

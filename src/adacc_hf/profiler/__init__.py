@@ -213,7 +213,7 @@ def _profile_model(
     if modelled_device() is not None:  # a dry run priced as a GPU it models (`devices`)
         dev_name = f"cuda ({modelled_device().label}, modelled)"
     profile = Profile(
-        model_type=base.config.model_type,
+        model_type=adapter.model_type(base),
         adapter=adapter.name,
         adapter_version=adapter.version,
         device=dev_name,

@@ -63,7 +63,8 @@ def _checkpoint_nbytes(base: nn.Module, groups: list[BlockGroup], batch: dict) -
     """Every block's checkpointed input under full recomputation: ``[tokens x hidden]`` each, in
     the parameters' dtype (the residual stream's under autocast too)."""
     ids = batch.get("input_ids", batch.get("inputs_embeds"))
-    hidden = getattr(base.config, "hidden_size", None) or getattr(base.config, "d_model", 0)
+    config = getattr(base, "config", None)  # none on a plain PyTorch model
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
     if not isinstance(ids, torch.Tensor) or not hidden:
         return 0
     tokens = ids.shape[0] * ids.shape[1]

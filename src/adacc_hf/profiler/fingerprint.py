@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .._version import __version__
+from ..adapters import get_adapter
 
 __all__ = ["differences", "run_fingerprint"]
 
@@ -44,8 +45,11 @@ def run_fingerprint(
     backends timed (an entry each only when set)."""
     import transformers
 
-    config = model.config
-    entries = {k: v for k, v in config.to_dict().items() if k not in _PROVENANCE}
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_dict"):
+        entries = {k: v for k, v in config.to_dict().items() if k not in _PROVENANCE}
+    else:  # a plain PyTorch model (`adapters.plain`): its module tree
+        entries = {p: type(m).__name__ for p, m in model.named_modules()}
     device = next(model.parameters()).device
     if device.type == "cuda":
         where = f"cuda ({torch.cuda.get_device_name(device)})"
@@ -55,7 +59,7 @@ def run_fingerprint(
         (n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()
     ]
     out = {
-        "model": f"{config.model_type} {_digest(entries)}",
+        "model": f"{get_adapter(model).model_type(model)} {_digest(entries)}",
         "implementation": (
             f"attention {getattr(config, '_attn_implementation', None)}, "
             f"experts {getattr(config, '_experts_implementation', None)}"

@@ -95,7 +95,7 @@ def timeline_policy(
         variants = [Variant(plain, False), Variant(n - plain, True, {})]
         gps[g.name] = GroupPolicy(ops=specs[g.name], variants=variants)
     return Policy(
-        base.config.model_type,
+        adapter.model_type(base),
         adapter.name,
         gps,
         {"source": "profiler"},

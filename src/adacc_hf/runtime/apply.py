@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from ..adapters import get_adapter, unwrap_model
+from ..adapters.forward import hook_forward, unhook_forward
 from ..errors import AdaccError, AlreadyAppliedError
 from ..policy import Policy
 from . import saved_codecs
@@ -49,6 +50,7 @@ class AdaccHandle:
                 rt = BlockRuntime(block, path, group.name, gp, variant, warned, compiled)
                 rt.root = self.model
                 self.runtimes[path] = rt
+                hook_forward(block)  # a plain block: reached as transformers' layers are
                 block.gradient_checkpointing = True
                 block._gradient_checkpointing_func = rt
         self._set_head(self.policy.head)
@@ -69,6 +71,7 @@ class AdaccHandle:
                     setattr(block, a, attrs[a])
                 else:
                     block.__dict__.pop(a, None)
+            unhook_forward(block)
         self._saved.clear()
         self.runtimes.clear()
         self._set_head("full")
@@ -174,23 +177,15 @@ class AdaccHandle:
         self.remove()
 
 
-def _gradient_checkpointing_layer() -> type:
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError as e:  # pragma: no cover - transformers < 4.52
-        raise AdaccError(
-            "adacc-hf needs transformers' GradientCheckpointingLayer (transformers >= 4.56)"
-        ) from e
-    return GradientCheckpointingLayer
-
-
 def apply_adacc(model: nn.Module, policy: Policy, host_cap: int | None = None) -> AdaccHandle:
     """Make every transformer block of `model` run `policy`. Returns a handle to undo it.
 
     `host_cap`: the most bytes of host memory offloaded tensors may hold (None: half the host
     memory available when the first offloading policy is installed; `runtime.offload`).
 
-    Works on plain transformers models and on PEFT-wrapped ones; patches only this instance.
+    Works on transformers models, PEFT-wrapped ones and plain PyTorch models whose blocks were
+    named (`adapters.plain.register`, ``prepare(..., blocks=...)``: their blocks' forward is
+    hooked while the policy is applied); patches only this instance.
     A model compiled with ``torch.compile`` (before or after) runs the policy's retain /
     recompute decisions as selective-checkpoint tags and, for a policy planned with ``compile=``,
     its compressed ops through `saved_codecs`; offload is refused when the block is traced
@@ -204,15 +199,9 @@ def apply_adacc(model: nn.Module, policy: Policy, host_cap: int | None = None) -
             "handle.set_policy(new_policy) to switch policies"
         )
     policy.validate(base)
-    gcl = _gradient_checkpointing_layer()
     for group in get_adapter(base).block_groups(base):
-        for path, block in zip(group.paths, group.modules, strict=True):
-            if not isinstance(block, gcl):
-                raise AdaccError(
-                    f"block {path} ({type(block).__name__}) is not a "
-                    "GradientCheckpointingLayer; upgrade transformers"
-                )
-            if block.gradient_checkpointing:
+        for block in group.modules:
+            if getattr(block, "gradient_checkpointing", False) is True:
                 raise AdaccError(
                     "transformers' gradient checkpointing is enabled on this model; adacc replaces "
                     "it. Call model.activation_checkpointing_disable() (gradient_checkpointing_"

@@ -13,7 +13,7 @@ from torch import nn
 
 def model_kwargs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
     kwargs = dict(batch)
-    if getattr(model.config, "use_cache", False) or "use_cache" in kwargs:
+    if getattr(getattr(model, "config", None), "use_cache", False) or "use_cache" in kwargs:
         kwargs["use_cache"] = False  # as the Trainer trains: no KV cache copies
     return kwargs
 

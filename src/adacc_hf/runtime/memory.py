@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..adapters import get_adapter, unwrap_model
 from .ops import is_keyed, is_mutable, param_cast, tensor_outputs
-from .peak import loss_of
+from .peak import forward_loss
 from .sharded import forwards_without_backward
 
 
@@ -142,9 +142,7 @@ def _recorded_forward(
             handles += list(block_hooks(path, block))
     try:
         with forwards_without_backward(base), rec, autocast or contextlib.nullcontext():
-            out = model(**batch)
-        loss = loss_of(out)
-        del out
+            loss = forward_loss(model, batch)  # a plain model's loss= too: its storages count
     except BaseException:
         for h in handles:
             h.remove()

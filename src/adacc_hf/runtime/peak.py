@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..adapters.forward import model_inputs
+from ..adapters.plain import plain_model
 from .context import autocast_context
 
 _MARK = "adacc_mark::"
@@ -309,6 +311,15 @@ def loss_of(out: Any) -> torch.Tensor:
     return out["loss"] if isinstance(out, Mapping) else out[0]
 
 
+def forward_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The loss of a training forward of `batch`: ``model(**batch)``'s, or for a plain model
+    (`adapters.plain`) its forward on the arguments it takes and its ``loss(out, batch)``."""
+    plain = plain_model(model)
+    if plain is None:
+        return loss_of(model(**batch))
+    return plain.loss_of(model(**model_inputs(model, batch)), batch)
+
+
 def measure_step_peak(
     model: nn.Module,
     batch: Mapping[str, Any] | Sequence[Mapping[str, Any]],
@@ -340,7 +351,7 @@ def measure_step_peak(
     with tracker:
         for i, b in enumerate(batches):
             with tracker.phase(f"forward{i}"), autocast_context(device, autocast):
-                loss = loss_of(model(**b))
+                loss = forward_loss(model, b)
                 if len(batches) > 1:
                     loss = loss / len(batches)
             with tracker.phase(f"backward{i}"):

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..adapters import Adapter, BlockGroup, get_adapter, unwrap_model
+from ..adapters.forward import hook_forward, model_inputs, unhook_forward
 from ..codecs.bitpack import mask_scale
 from ..schema import BlockTrace, ModelTrace, OpSpec
 from .context import autocast_context, devices_of, model_kwargs, train_mode
@@ -34,6 +35,7 @@ from .ops import (
     storage_id,
     tensor_outputs,
 )
+from .plain import check_forward
 from .sharded import forwards_without_backward
 
 
@@ -244,8 +246,10 @@ def run_representatives(
     """Run the model forward in train mode (no RNG side effects) and hand the first block of each
     group to `visit(adapter, group, block, fn, args)`, which must return `fn(*args)`'s result.
 
-    Blocks are reached through transformers' per-layer checkpoint hook, so they see exactly the
-    arguments a checkpointed block sees in training. The forward stops after the last visit.
+    Blocks are reached through transformers' per-layer checkpoint hook (a plain model's through
+    `adapters.plain.hook_forward`), so they see exactly the arguments a checkpointed block sees in
+    training. The forward stops after the last visit. A plain model's blocks are checked first
+    (`check_forward`).
     """
     adapter = get_adapter(model)
     base = unwrap_model(model)
@@ -254,6 +258,7 @@ def run_representatives(
         raise ValueError(f"found no transformer blocks in {type(base).__name__}")
     if batch is None:
         batch = dummy_batch(base)
+    check_forward(base, batch)
     pending = {id(g.modules[0]) for g in groups}
     saved_attrs = []
 
@@ -270,6 +275,7 @@ def run_representatives(
     for g in groups:
         block = g.modules[0]
         saved_attrs.append((block, dict(block.__dict__)))
+        hook_forward(block)
         block.gradient_checkpointing = True
         block._gradient_checkpointing_func = hook(g, block)
     try:
@@ -279,7 +285,7 @@ def run_representatives(
             torch.random.fork_rng(devices=devices_of(base)),
             contextlib.suppress(_TraceDone),
         ):
-            base(**model_kwargs(base, batch))
+            base(**model_inputs(base, model_kwargs(base, batch)))
     finally:
         for block, attrs in saved_attrs:
             for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
@@ -287,6 +293,7 @@ def run_representatives(
                     setattr(block, name, attrs[name])
                 else:
                     block.__dict__.pop(name, None)
+            unhook_forward(block)
     if pending:
         missing = [g.name for g in groups if id(g.modules[0]) in pending]
         raise RuntimeError(f"the forward pass never ran block group(s) {missing}")
@@ -376,5 +383,4 @@ def trace_model(
     with autocast_context(device, autocast, cache=False):
         run_representatives(model, batch, visit)
     adapter = get_adapter(model)
-    base = unwrap_model(model)
-    return ModelTrace(base.config.model_type, adapter.name, adapter.version, traces)
+    return ModelTrace(adapter.model_type(model), adapter.name, adapter.version, traces)
