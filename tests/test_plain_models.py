@@ -24,7 +24,7 @@ import pytest
 import torch
 from plain_nets import CASES, GPT, Block, Case, Transformer, torchvision_missing
 
-import adacc_hf.integrations.profiling as profiling
+import adacc_hf.engine.profiles as profiling
 from adacc_hf import (
     Action,
     Policy,
