@@ -35,8 +35,14 @@ class _Handler(logging.StreamHandler):
 
 
 def set_verbosity(level: int | str) -> None:
-    """Set the ``adacc_hf`` logger's level: a `logging` level or ``"debug"`` / ``"info"`` /
-    ``"warning"`` / ``"error"``."""
+    """Set the ``adacc_hf`` logger's level (the default: ``ADACC_VERBOSITY``, else info).
+
+    Args:
+        level: a `logging` level or ``"debug"`` / ``"info"`` / ``"warning"`` / ``"error"``.
+
+    Raises:
+        ValueError: an unknown level name.
+    """
     if isinstance(level, str):
         if level.lower() not in _LEVELS:
             raise ValueError(f"verbosity must be one of {', '.join(_LEVELS)}, not {level!r}")

@@ -91,8 +91,16 @@ def classify_experts_ops(packets: list[str]) -> list[str]:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside PEFT, DDP, DeepSpeed, FSDP1 and `torch.compile` wrappers
-    (``get_base_model()``, ``.module``, ``._orig_mod``, repeatedly)."""
+    """The transformers model inside PEFT, DDP, DeepSpeed, FSDP1 and `torch.compile` wrappers.
+
+    Unwraps ``get_base_model()``, ``.module`` and ``._orig_mod``, repeatedly.
+
+    Args:
+        model: a model, wrapped or not.
+
+    Returns:
+        The innermost model (`model` itself when it wraps nothing).
+    """
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))

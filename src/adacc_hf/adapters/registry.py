@@ -16,17 +16,34 @@ OVERRIDES: dict[str, Adapter] = {"t5": T5}
 
 
 def supported_model_types() -> list[str]:
-    """The model types verified end to end; any model whose blocks are transformers'
-    `GradientCheckpointingLayer`s runs through the generic adapter, any other through
-    ``prepare(..., blocks=...)`` (`plain`)."""
+    """The model types verified end to end.
+
+    Any model whose blocks are transformers' `GradientCheckpointingLayer`s runs through the
+    generic adapter, any other through ``prepare(..., blocks=...)`` (`plain`).
+
+    Returns:
+        The ``config.model_type`` names, sorted.
+    """
     return sorted(VERIFIED_MODEL_TYPES)
 
 
 def get_adapter(model_or_type: nn.Module | str) -> Adapter:
-    """The adapter for a model (or a `config.model_type` string): the family's override if it
-    has one, else the generic adapter.
+    """The adapter for a model (or a `config.model_type` string).
 
-    Given a model, checks that it can run (raises `UnsupportedModelError` saying what to change).
+    The family's override if it has one, else the generic adapter; a plain PyTorch model whose
+    blocks were named (``prepare(..., blocks=...)``) gets its own. Given a model, checks that it
+    can run.
+
+    Args:
+        model_or_type: the model (or a wrapper of it), or a ``config.model_type`` string.
+
+    Returns:
+        The `Adapter`: it finds the model's blocks, groups them and names each op's layer type.
+
+    Raises:
+        UnsupportedModelError: the model cannot run (no ``config.model_type`` and no named
+            blocks, no `GradientCheckpointingLayer` blocks, or MoE experts on the eager
+            implementation); the message says what to change.
     """
     if isinstance(model_or_type, str):
         return OVERRIDES.get(model_or_type, GENERIC)

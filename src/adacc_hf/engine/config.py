@@ -34,14 +34,96 @@ STATIC_OPTIONS = (
 
 @dataclass
 class AdaccConfig:
-    """What an `AdaccSession` does; `AdaccTrainingArguments` fills it from `adacc_*` fields and
-    `run_config` from the run (optimizer, mixed precision, accumulation, sharding)."""
+    """The options of an `AdaccSession`: the budget, the solver's limits and the run it plans for.
+
+    `prepare` and `AdaccCallback` take any field as a keyword; `AdaccTrainingArguments` fills the
+    options from its ``adacc_*`` fields and `run_config` the rest from the run (optimizer, mixed
+    precision, accumulation, sharding). Every field is checked when the config is made.
+
+    Attributes:
+        budget: the step's device memory budget per device: bytes, ``"20GiB"`` (powers of 2),
+            ``"20GB"`` (powers of 10), ``"80%"`` of device memory or ``"auto"`` (what is free
+            plus what the model already holds, minus max(1 GiB, 5 %)); see `parse_budget`.
+        codecs: the codecs the solver may pick, e.g. ``["int4_outlier", "int4_channel",
+            "bitpack"]`` (None: each layer type's own; docs/options.md lists them).
+        codec_backends: the codec implementations timed on each op, the fastest used
+            (`codecs.backends`: ``"torch"``, ``"inductor"``, ``"triton"``, ``"bitsandbytes"``,
+            ``"torchao"``); None: every one on CUDA, the default one elsewhere.
+        zscore_threshold: the z-score above which a channel is an outlier that ``int4_outlier``
+            keeps exact.
+        adaptive: re-measure codec ratios and errors on tracking steps (1, 2, 4, ... steps
+            apart) and switch policy when the optimum changes; False keeps the first policy.
+        max_tracking_interval: the most optimizer steps between two tracking steps (>= 1).
+        solver: the MILP solver: ``"cbc"`` (PuLP's) or ``"highs"`` (needs ``highspy``).
+        solver_time_limit: seconds the MILP solver may search; then its best policy so far is
+            used (full recomputation if it has none).
+        max_codec_error: a codec whose measured relative error on an op exceeds this is not used
+            for that op.
+        max_grad_error: the bound on a block's gradient error (relative, input and parameter
+            gradients), its lossy ops' measured errors added in quadrature (`profiler.fidelity`);
+            None: no bound.
+        split_blocks: let the blocks of a group run different policies (some without
+            checkpointing) to fill the budget; False: one action table per group.
+        head: a causal LM's head and loss: ``"full"`` (the default: logits returned as always),
+            ``"chunked"`` (`runtime.head`: no logits in training forwards with labels) or
+            ``"auto"`` (the solver's pick).
+        optimizer: the optimizer whose states count in the static memory: a name of
+            `solver.static.KNOWN_OPTIMIZERS`, as ``TrainingArguments.optim`` names it (`prepare`
+            also takes the optimizer object).
+        fp32_embeddings: 8-bit bitsandbytes optimizers keep ``nn.Embedding`` states in fp32: the
+            HF Trainer registers that override (`run_config` sets it); a custom loop's optimizer
+            has it only if it asks.
+        mixed_precision: ``"bf16"`` / ``"fp16"``: forwards autocast to it (None or ``"no"``:
+            no mixed precision).
+        gradient_accumulation_steps: micro-batches per optimizer step (>= 1); gradients stay
+            alive through every micro-batch but the first.
+        max_seq_len: the longest sequence of the run, if known: its bucket is planned up front,
+            so a budget too small for it fails at once (None: in the Trainer, read off the run
+            where it says it; else each bucket is planned when its first batch comes).
+        zero_stage: the DeepSpeed ZeRO stage (0-3) sharding the static memory over `world_size`
+            ranks (`estimate_static_memory`).
+        fsdp: FSDP full shard: parameters, gradients and optimizer states sharded over
+            `world_size` ranks.
+        world_size: the ranks the model is sharded or replicated over.
+        offload_optimizer: optimizer states and master weights are kept off the device.
+        master_weights: fp32 copies of 16-bit parameters (DeepSpeed mixed precision).
+        ddp: replicated by DDP: its gradient buckets count (`solver.static`).
+        zero_buckets: ZeRO-2: the gradient elements its reduce buckets hold through backward
+            (``reduce_bucket_size``, twice with ``overlap_comm``; 0 without
+            ``contiguous_gradients``); None: "auto" (hidden_size**2, counted twice).
+        profile_repeats: timed runs per op when profiling (their median is kept).
+        headroom: the fraction of the budget above static memory the solver leaves free, in
+            [0, 0.5); None: 0.03 where the step model is not exact (CUDA's allocator, MoE
+            routing), 0 where it is (`solver.headroom`).
+        auto_batch_size: pick the micro-batch (and accumulation, keeping the global batch) with
+            the best predicted tokens/s under the budget (`autobatch.choose_micro_batch`):
+            `prepare` and `AdaccTrainer`.
+        expandable_segments: CUDA: turn on the caching allocator's expandable segments where the
+            user has not configured it (`runtime.allocator`): reserved memory then stays close
+            to what is allocated.
+        profile_from: saved profiles to plan from where their fingerprint is this run's
+            (`AdaccSession.reuse_profiles`): an ``adacc_profiles.json`` / ``adacc_profile.json``
+            or a directory holding one. None: nothing in a custom loop, the output directory (or
+            the checkpoint resumed from) in the Trainer; ``"none"``: never.
+        offload: offload (ops and block inputs held in host memory until backward) as actions
+            the solver weighs: None: on CUDA devices; True: also elsewhere (on CPU, a stand-in
+            host outside torch's allocator: for tests and benchmarks); False: never.
+        offload_host_cap: the host memory offload may hold: bytes, ``"16GiB"``, ``"50%"`` of the
+            host's memory; None: half the host memory available when the first plan is made
+            (`runtime.offload`).
+        compile: the ``torch.compile`` backend the model's blocks will run under (True:
+            ``"inductor"``): the profile measures them compiled too (`profiler.compiled`),
+            compressed ops run through `runtime.saved_codecs`, and offload is not planned (no
+            compiled form yet). None / False: eager.
+
+    Raises:
+        AdaccError: a field out of range or unknown (a codec, codec backend, head, ZeRO stage,
+            mixed precision, host cap), a ``profile_from`` path that does not exist, or
+            ``compile`` with ``offload=True``.
+    """
 
     budget: int | str = "auto"
-    codecs: list[str] | None = None  # codecs the solver may pick (None: each layer type's own)
-    # codec implementations timed on each op, the fastest used (`codecs.backends`: "torch",
-    # "inductor", "triton", "bitsandbytes", "torchao"); None: every one on CUDA, the default
-    # one elsewhere
+    codecs: list[str] | None = None
     codec_backends: list[str] | None = None
     zscore_threshold: float = 3.0
     adaptive: bool = True
@@ -49,55 +131,28 @@ class AdaccConfig:
     solver: str = "cbc"
     solver_time_limit: float = 10.0
     max_codec_error: float = 0.5
-    # Bound on a block's gradient error (relative, input and parameter gradients), its lossy ops'
-    # measured errors added in quadrature (`profiler.fidelity`); None: no bound.
     max_grad_error: float | None = MAX_GRAD_ERROR
     split_blocks: bool = True
-    # A causal LM's head and loss: "full" (the default: logits returned as always), "chunked"
-    # (`runtime.head`: no logits in training forwards with labels) or "auto" (the solver's pick)
     head: str = "full"
     optimizer: str = "adamw_torch"
-    # 8-bit bitsandbytes optimizers keep nn.Embedding states in fp32: the HF Trainer registers
-    # that override (`run_config` sets it); a custom loop's optimizer has it only if it asks.
     fp32_embeddings: bool = False
-    mixed_precision: str | None = None  # "bf16" / "fp16": forwards autocast to it
+    mixed_precision: str | None = None
     gradient_accumulation_steps: int = 1
-    max_seq_len: int | None = None  # the longest batch of the run (planned up front), if known
+    max_seq_len: int | None = None
     zero_stage: int = 0
     fsdp: bool = False
     world_size: int = 1
     offload_optimizer: bool = False
-    master_weights: bool = False  # fp32 copies of 16-bit parameters (DeepSpeed mixed precision)
-    ddp: bool = False  # replicated by DDP: its gradient buckets count (`solver.static`)
-    # ZeRO-2: gradient elements its reduce buckets hold through backward (`reduce_bucket_size`,
-    # twice with `overlap_comm`; 0 without `contiguous_gradients`); None: "auto" (hidden_size**2,
-    # counted twice)
+    master_weights: bool = False
+    ddp: bool = False
     zero_buckets: int | None = None
     profile_repeats: int = 3
-    # Fraction of the budget above static memory the solver leaves free; None: 0.03 where the
-    # step model is not exact (CUDA's allocator, MoE routing), 0 where it is (`solver.headroom`).
     headroom: float | None = None
-    # Pick the micro-batch (and accumulation, keeping the global batch) with the best predicted
-    # tokens/s under the budget (`autobatch.choose_micro_batch`): `prepare` and `AdaccTrainer`.
     auto_batch_size: bool = False
-    # CUDA: turn on the caching allocator's expandable segments where the user has not
-    # configured it (`runtime.allocator`): reserved memory then stays close to what is allocated.
     expandable_segments: bool = True
-    # Saved profiles to plan from where their fingerprint is this run's (`session.reuse_profiles`):
-    # an adacc_profiles.json / adacc_profile.json or a directory holding one. None: nothing in a
-    # custom loop, the output directory (or the checkpoint resumed from) in the Trainer; "none":
-    # never.
     profile_from: str | None = None
-    # Offload (ops and block inputs held in host memory until backward) as actions the solver
-    # weighs: None: on CUDA devices; True: also elsewhere (on CPU, a stand-in host outside
-    # torch's allocator: for tests and benchmarks); False: never.
     offload: bool | None = None
-    # The host memory offload may hold: bytes, "16GiB", "50%" of the host's memory; None: half
-    # the host memory available when the first plan is made (`runtime.offload`).
     offload_host_cap: int | str | None = None
-    # The model's blocks will run under torch.compile with this backend (True: "inductor"): the
-    # profile measures them compiled too (`profiler.compiled`); compressed ops run through
-    # `runtime.saved_codecs`; offload is not planned (no compiled form yet). None / False: eager.
     compile: bool | str | None = None
 
     def __post_init__(self) -> None:
@@ -178,6 +233,7 @@ class AdaccConfig:
         return {name: getattr(self, name) for name in STATIC_OPTIONS}
 
     def codec_params(self) -> dict[str, dict[str, Any]]:
+        """The codecs' parameters by codec name (``zscore_threshold`` for ``int4_outlier``)."""
         return {"int4_outlier": {"zscore_threshold": self.zscore_threshold}}
 
     def offloads_on(self, device: torch.device) -> bool:

@@ -57,6 +57,9 @@ class AdaccSession:
         profile: the profile `policy` was solved on (a resumed run).
         coordinator: who decides across ranks (default: the process group's, if any).
         profiles: profiles by bucket to plan from (shared by sessions of the same model).
+
+    Raises:
+        AdaccError: `profile` without `policy` (to plan from a profile, pass `profiles`).
     """
 
     def __init__(
@@ -167,22 +170,66 @@ class AdaccSession:
 
     # ------------------------------------------------------------------ plans
     def key_of(self, batch: Mapping[str, Any]) -> ShapeKey:
-        """The bucket of `batch`, agreed on by every rank (the largest of theirs)."""
+        """The bucket of `batch`, agreed on by every rank (the largest of theirs).
+
+        Args:
+            batch: a training micro-batch (a mapping of the forward's arguments by name).
+
+        Returns:
+            The bucket's key: (micro-batch size, bucketed length[, bucketed decoder length],
+            masked?); a plain PyTorch model's: (rows, elements per row, 0), exact.
+        """
         return self.planner.key_of(batch)
 
     def plan(self, batch: Mapping[str, Any], key: ShapeKey | None = None) -> Plan:
-        """The plan of `batch`'s bucket (`Planner.plan`)."""
+        """The plan of `batch`'s bucket (`Planner.plan`).
+
+        Profiled (on `batch` padded to the bucket's edge) and solved the first time, re-solved
+        when the rectifier moved its codec statistics; a fixed policy's plan serves every
+        bucket. Does not switch the model to it (`setup` does).
+
+        Args:
+            batch: a training micro-batch of the bucket.
+            key: the bucket to plan (None: `batch`'s, `key_of`).
+
+        Returns:
+            The bucket's `Plan`: its policy and the profile it was solved on.
+
+        Raises:
+            BudgetError: no policy of the bucket fits the budget.
+        """
         return self.planner.plan(batch, key)
 
     def reuse_profiles(self, profiles: list[Profile], source: str) -> None:
-        """Plan from these saved profiles (an earlier run's ``adacc_profiles.json``) where one's
-        fingerprint is this run's for the bucket; the rest are profiled anew."""
+        """Plan from saved profiles where one's fingerprint is this run's for the bucket.
+
+        Buckets without such a profile are profiled anew.
+
+        Args:
+            profiles: an earlier run's profiles (its ``adacc_profiles.json``).
+            source: where they were read from, for the log.
+        """
         self.store.reuse_profiles(profiles, source)
 
     def setup(self, batch: Mapping[str, Any], forward: bool = False) -> Policy:
-        """Plan `batch`'s bucket (and, when ``max_seq_len`` is set, the longest one, so a budget
-        too small for it fails now) and patch the model with the plan of `batch` (`forward`:
-        called as a training forward starts)."""
+        """Plan `batch`'s bucket and patch the model with its plan.
+
+        When ``max_seq_len`` is set, the longest bucket is planned too, so a budget too small
+        for it fails now. A plain PyTorch model's forward is checked first (every block runs
+        once, the loss is a scalar).
+
+        Args:
+            batch: a training micro-batch (a mapping of the forward's arguments by name).
+            forward: called as a training forward starts (the run's autocast is then read off
+                the model's forward, not guessed).
+
+        Returns:
+            The policy the model now runs.
+
+        Raises:
+            BudgetError: no policy fits the budget.
+            UnsupportedModelError: a plain model's blocks or loss do not run as named.
+        """
         ctx = self.ctx
         with ctx.own_forwards():  # a plain model's blocks and loss, before any profiling
             check_forward(ctx.model, batch)
@@ -197,7 +244,11 @@ class AdaccSession:
         return self.policy
 
     def use(self, plan: Plan) -> None:
-        """Run `plan`'s policy from the next forward on."""
+        """Run `plan`'s policy from the next forward on.
+
+        Args:
+            plan: a plan of this session (`plan`).
+        """
         if plan is self.current and self.active:
             return
         self.model.__dict__["_adacc_session"] = self
@@ -212,7 +263,11 @@ class AdaccSession:
             self.handle.set_tracker(self.rectifier.tracker)
 
     def apply(self, policy: Policy) -> None:
-        """Run `policy` for the current bucket."""
+        """Run `policy` for the current bucket.
+
+        Args:
+            policy: a policy for this model.
+        """
         plan = self.planner.with_policy(policy)
         self.planner.current = None
         self.use(plan)
@@ -258,7 +313,11 @@ class AdaccSession:
 
     # ------------------------------------------------------------------ steps
     def on_step_begin(self, step: int) -> None:
-        """Call before the forward of optimizer step `step` (1-based)."""
+        """Call before the forward of optimizer step `step`; arms the rectifier on tracking steps.
+
+        Args:
+            step: the optimizer step about to run (1-based).
+        """
         self.ctx.step = step
         if self.active:
             tracker = self.rectifier.arm(step)
@@ -266,8 +325,17 @@ class AdaccSession:
                 self.handle.set_tracker(tracker)
 
     def on_step_end(self, step: int) -> AdaccEvent | None:
-        """Call after optimizer step `step`: the reserved-memory guard; on tracking steps,
-        re-solve and maybe switch."""
+        """Call after optimizer step `step`: the reserved-memory guard, and the rectifier.
+
+        On tracking steps the rectifier re-solves with the codecs' new statistics and maybe
+        switches policy.
+
+        Args:
+            step: the optimizer step that ended (1-based).
+
+        Returns:
+            The tracking step's event (a switch when the policy changed), or None on other steps.
+        """
         ctx = self.ctx
         for plan in ctx.derived_check.step_ended(ctx.device, ctx.coordinator.agree):
             self.planner.measure_in_full(plan)
@@ -288,14 +356,33 @@ class AdaccSession:
         return event
 
     def step_done(self, step: int) -> AdaccEvent | None:
-        """For custom loops: call once after each optimizer step."""
+        """For custom loops: call once after each optimizer step.
+
+        Runs `on_step_end` for `step`, then `on_step_begin` for the next one: on tracking steps
+        the rectifier re-measures the codecs and may switch policy.
+
+        Args:
+            step: the optimizer step just taken (1-based).
+
+        Returns:
+            The tracking step's event (a switch when the policy changed), or None on other steps.
+        """
         event = self.on_step_end(step)
         self.on_step_begin(step + 1)
         return event
 
     def out_of_memory(self, message: str = "") -> bool:
-        """After an out-of-memory error: grow the device reserve and re-plan every bucket
-        (`tracking.OomRecovery.out_of_memory`); False where only full recomputation was left."""
+        """After an out-of-memory error: grow the device reserve and re-plan every bucket.
+
+        Every bucket is re-planned before its next forward (`tracking.OomRecovery.out_of_memory`).
+
+        Args:
+            message: the error's message (it sizes the reserve's growth; logged).
+
+        Returns:
+            False where only full recomputation was left (or the policy is the user's, fixed):
+            the error is the run's own and the caller should raise it; else True.
+        """
         return self.oom.out_of_memory(message)
 
     def check_oom(self) -> None:
@@ -319,11 +406,21 @@ class AdaccSession:
 
         Returns:
             ``run``'s result for each micro-batch.
+
+        Raises:
+            torch.OutOfMemoryError: even full recomputation does not fit, or the gradients were
+                not empty when the step began (a re-run could not restore them); under several
+                ranks or a user's fixed policy, every error passes through.
         """
         return self.oom.run_step(lambda: self, run, batches)
 
     # ------------------------------------------------------------------ lifetime
     def drain_events(self) -> list[AdaccEvent]:
+        """Take the events logged since the last call (new plans, switches, tracking steps).
+
+        Returns:
+            The events, oldest first; the session keeps none of them.
+        """
         events, self.ctx.events = self.ctx.events, []
         return events
 
@@ -339,6 +436,11 @@ class AdaccSession:
             del self.model.__dict__["_adacc_session"]
 
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint saves of the session.
+
+        Returns:
+            The tracking schedule's state, the config (as a dict) and the step.
+        """
         return {
             "schedule": self.schedule.state_dict(),
             "config": asdict(self.config),
@@ -346,5 +448,9 @@ class AdaccSession:
         }
 
     def restore_schedule(self, state: dict[str, Any]) -> None:
-        """Continue a saved tracking schedule (resume)."""
+        """Continue a saved tracking schedule (resume).
+
+        Args:
+            state: the ``"schedule"`` entry of a saved `state_dict`.
+        """
         self.rectifier.schedule = TrackingSchedule.from_state_dict(state)

@@ -35,8 +35,76 @@ def _help(text: str) -> dict[str, str]:
 
 @dataclass
 class AdaccTrainingArguments(TrainingArguments):
-    """`TrainingArguments` plus Adacc's options. With ``adacc=True`` a plain `Trainer` profiles the
-    first batch, solves the per-op policy for the budget and trains with it."""
+    """`TrainingArguments` plus Adacc's options (``--adacc ...`` on the command line).
+
+    With ``adacc=True`` a plain `Trainer` profiles the first batch, solves the per-op policy for
+    the budget and trains with it (`AdaccCallback`, added through ``report_to``); `AdaccTrainer`
+    adds the policy's log events, model card and automatic micro-batch. Every other argument is
+    `TrainingArguments`'. The ``adacc_*`` options become an `AdaccConfig` (`adacc_config`); each
+    has the same text as ``help`` for ``--help``. Without ``adacc=True`` they are ignored (with a
+    warning). With it, Adacc replaces activation checkpointing: checkpointing that the arguments'
+    class turns on by default (TRL's configs) is switched off, and ``ddp_find_unused_parameters``
+    defaults to False.
+
+    Attributes:
+        adacc: train with Adacc: per-op retain / compress / recompute of activations under a
+            budget.
+        adacc_memory_budget: device memory budget per GPU: ``"20GiB"``, ``"20GB"``, ``"80%"`` of
+            device memory, a byte count, or ``"auto"`` (free memory plus what the model already
+            holds, minus max(1 GiB, 5%)).
+        adacc_policy: a saved ``adacc_policy.json`` to reuse: skips profiling and solving.
+        adacc_profile: saved profiles to plan from where they match this run (model, dtype,
+            device, versions, bucket): an ``adacc_profiles.json`` or a directory holding one.
+            Default: ``output_dir``'s (or the resumed checkpoint's); ``"none"``: always profile.
+        adacc_codecs: codecs the solver may use (default: each layer type's own codec), e.g.
+            ``--adacc_codecs int4_outlier int4_channel int4_asym bitpack`` (or one
+            comma-separated string).
+        adacc_zscore_threshold: z-score above which a channel is an outlier kept exact by
+            ``int4_outlier``.
+        adacc_adaptive: re-measure codec ratios and errors during training (1, 2, 4, ... steps
+            apart) and switch policy when the optimum changes.
+        adacc_max_tracking_interval: largest number of steps between two tracking steps.
+        adacc_max_codec_error: a codec whose relative error on an op exceeds this is not used for
+            that op.
+        adacc_max_grad_error: largest relative error of a block's gradients the codecs may cause,
+            their measured effects added in quadrature (0: no lossy codec; a negative value: no
+            bound).
+        adacc_solver: MILP solver: ``"cbc"`` or ``"highs"``.
+        adacc_solver_time_limit: seconds the MILP solver may search; then its best policy so far
+            is used (with a warning). If it has none, or the solver fails, full recomputation is
+            used.
+        adacc_split_blocks: let blocks run different policies (some without checkpointing) to
+            fill the budget.
+        adacc_head: how a causal LM's head and loss run: ``"full"`` (the model's own logits),
+            ``"chunked"`` (the loss chunk by chunk: the [tokens x vocab] logits never exist and
+            training forwards return ``logits=None``) or ``"auto"`` (the solver picks the fastest
+            that fits).
+        adacc_offload: let the solver hold op outputs and block inputs in host memory until
+            backward (offload, as they are or compressed first), copied on a side stream and
+            brought back one block ahead. Default: on CUDA devices; True also on CPU (a stand-in
+            host, for tests); False: never.
+        adacc_offload_host_cap: host memory offload may hold: bytes, ``"16GiB"`` or ``"50%"`` of
+            the host's memory (default: half the host memory available when the first plan is
+            made).
+        adacc_max_seq_len: the longest sequence of the run. Its bucket is planned before the
+            first step, so a budget too small for it fails at once (default: read from TRL's
+            ``max_length``, a collator padding to a fixed length or the dataset where they say
+            it; else each bucket is planned when its first batch comes).
+        adacc_auto_batch_size: pick the micro-batch with the best predicted tokens/s whose step
+            fits the budget, keeping the global batch (``per_device_train_batch_size`` x
+            ``gradient_accumulation_steps``) by adjusting accumulation. Needs `AdaccTrainer` (it
+            plans before the data loader is built).
+        adacc_expandable_segments: on CUDA, turn on the allocator's expandable segments unless
+            ``PYTORCH_CUDA_ALLOC_CONF`` is set: without them a step reserves well above what it
+            allocates (1.4 GiB over a 6 GiB step measured on an H100), and CUDA runs out when
+            reserved memory does.
+
+    Raises:
+        AdaccError: with ``adacc=True``: an option Adacc cannot take (a malformed budget, a
+            policy file that does not load, an unknown codec, ...), or activation checkpointing
+            the user turned on (``--gradient_checkpointing``, checkpointing kwargs,
+            ``fsdp_config["activation_checkpointing"]``), which Adacc replaces.
+    """
 
     adacc: bool = field(
         default=False,

@@ -36,13 +36,27 @@ __all__ = ["AdaccCallback"]
 
 
 class AdaccCallback(TrainerCallback):
-    """Applies Adacc inside any `Trainer`: profiles the first training batch, solves, patches the
-    model, runs the rectifier on tracking steps, saves the policy with every checkpoint, restores it
-    on resume and undoes everything when training ends.
+    """Adacc inside any `Trainer` (TRL's included), as one of its callbacks.
+
+    It profiles the first training batch, solves, patches the model, runs the rectifier on
+    tracking steps, saves the policy with every checkpoint, restores it on resume and undoes
+    everything when training ends. The run's own activation checkpointing is switched off where
+    only the arguments' class turned it on (TRL's configs); asked for explicitly, it is an error.
 
     ``AdaccCallback(config)`` or ``AdaccCallback(budget="20GiB", ...)`` (any `AdaccConfig` field);
     ``policy`` reuses a saved policy (object or ``adacc_policy.json`` path). With neither, the
     options come from `AdaccTrainingArguments` when the run uses them.
+
+    Args:
+        config: the options (None: ``**options``, else the run's `AdaccTrainingArguments`, else
+            `AdaccConfig`'s defaults).
+        policy: a saved policy to run (object or ``adacc_policy.json`` path) instead of
+            profiling and solving.
+        **options: `AdaccConfig` fields, instead of `config`.
+
+    Raises:
+        AdaccError: both `config` and ``**options`` given, or an option `AdaccConfig` refuses.
+        PolicyError: a `policy` path that does not hold a readable policy.
     """
 
     def __init__(

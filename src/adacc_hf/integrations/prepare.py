@@ -62,7 +62,8 @@ def prepare(
 
     Args:
         model: the model to patch (or a wrapper of it: DDP, PEFT, Accelerate).
-        budget: the step's memory budget: bytes, ``"20GiB"``, ``"80%"`` or ``"auto"``.
+        budget: the step's memory budget per device: bytes, ``"20GiB"``, ``"20GB"``, ``"80%"``
+            of device memory or ``"auto"`` (see `parse_budget`).
         sample_batch: a training micro-batch to plan on now (None: the first training forward's).
         policy: a saved policy (object or JSON path) to run as it is.
         codecs: the codecs profiled per op (default: each layer type's own).
@@ -75,15 +76,24 @@ def prepare(
             `GradientCheckpointingLayer` blocks.
         loss: ``loss(output, batch) -> scalar tensor`` when the model returns no loss (e.g.
             ``lambda out, batch: F.cross_entropy(out, batch["labels"])``).
-        **config: `AdaccConfig` fields (``optimizer=``, ``headroom=``, ...).
+        **config: any other `AdaccConfig` field (``optimizer=`` the loop's optimizer or its
+            name, ``mixed_precision=``, ``max_seq_len=``, ``headroom=``, ...;
+            ``help(adacc_hf.AdaccConfig)`` lists them).
 
     Returns:
-        The session (``session.close()`` undoes the patch).
+        The `AdaccSession` (``session.step_done(step)`` after each optimizer step,
+        ``session.close()`` undoes the patch).
 
     Raises:
         UnsupportedModelError: bad `blocks` or `loss` (no module matches, blocks of one class
-            that differ in structure, a block the forward does not call); the message says what
-            to change.
+            that differ in structure, a block the forward does not call), or (with
+            `sample_batch`) a model no adapter runs; the message says what to change.
+        AdaccError: an option `AdaccConfig` refuses, or ``auto_batch_size=True`` without
+            `sample_batch` or with `blocks` / `loss`.
+        BudgetError: with `sample_batch`: a malformed budget, or no policy fits in it (the
+            message says what dominates the step).
+        PolicyError: a `policy` path that does not hold a readable policy, or (with
+            `sample_batch`) a policy made for another model.
     """
     if blocks is not None or loss is not None:
         plain.register(model, blocks, loss)

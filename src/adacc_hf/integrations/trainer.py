@@ -47,8 +47,22 @@ __all__ = [
 
 
 class AdaccTrainer(Trainer):
-    """`Trainer` with the whole Adacc experience: the policy table and every switch as log events,
-    artifacts in every checkpoint, resume, and the policy in the model card and ``config.json``."""
+    """`Trainer` with the whole Adacc experience, built as a `Trainer` is.
+
+    Beyond a plain `Trainer` with `AdaccCallback`: the policy table and every switch as log
+    events, artifacts in every checkpoint, resume, the policy in the model card and
+    ``config.json``, and ``adacc_auto_batch_size`` (the micro-batch planned on the first global
+    batch before the data loader is built). The options come from `AdaccTrainingArguments` (with
+    ``adacc=True``) or from an `AdaccCallback` in ``callbacks``; the session is
+    ``trainer.adacc_session`` once training starts.
+
+    Args:
+        *args: `Trainer`'s positional arguments (``model``, ``args``, ...).
+        **kwargs: `Trainer`'s keyword arguments (``callbacks=[AdaccCallback(...)]`` among them).
+
+    Raises:
+        AdaccError: neither `AdaccTrainingArguments` nor an `AdaccCallback` given.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

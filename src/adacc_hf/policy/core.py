@@ -74,7 +74,24 @@ def _check_fields(obj: dict[str, Any]) -> None:
 
 @dataclass
 class Policy:
-    """Per-op actions for every block of a model, plus where they came from (``metadata``)."""
+    """Per-op actions for every block of a model, plus where they came from (``metadata``).
+
+    Made by the solver (`solve_policy`), the rule-based builders (`uniform_policy` & co.) or
+    read from a file (``Policy.load(path)``; ``policy.save(path)`` writes one); applied with
+    `apply_adacc`. ``policy.table()`` shows it op by op, ``policy.summary()`` counts actions.
+
+    Attributes:
+        model_type: the ``config.model_type`` it was made for.
+        adapter: the adapter whose blocks it addresses.
+        groups: per block group, one block's ops and the variants (runs of consecutive blocks
+            sharing an action table) (`GroupPolicy`).
+        metadata: where it came from: the source, the solver's prediction (``"predicted"``), the
+            budget, ...
+        adapter_version: that adapter's version.
+        head: how the LM head and loss run (`HEADS`; ``"chunked"``: `runtime.head`).
+        library_version: the adacc-hf version that made it.
+        format_version: the policy's file format.
+    """
 
     model_type: str
     adapter: str
@@ -102,6 +119,11 @@ class Policy:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
 
     def save(self, path: str) -> None:
+        """Write the policy as JSON (``adacc_policy.json``; `load` reads it back).
+
+        Args:
+            path: the file to write.
+        """
         with open(path, "w", encoding="utf-8") as f:
             f.write(self.to_json() + "\n")
 
@@ -153,6 +175,18 @@ class Policy:
 
     @classmethod
     def load(cls, path: str) -> Policy:
+        """Read a policy `save` wrote (and check it).
+
+        Args:
+            path: the JSON file.
+
+        Returns:
+            The policy.
+
+        Raises:
+            PolicyError: the file cannot be read, is not a policy, is corrupt or was written by a
+                newer adacc-hf.
+        """
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()

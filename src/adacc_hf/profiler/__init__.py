@@ -77,21 +77,44 @@ def profile_model(
 ) -> Profile:
     """Measure one block of each group on the model's device with the real micro-batch.
 
-    `codecs` widens the codecs profiled per op (default: the layer type's own codec),
-    `codec_params` sets their parameters (e.g. the outlier z-score threshold); `repeats` timed runs
-    after `warmup` give medians; `autocast`: the dtype the run's forward autocasts to (bf16 /
-    fp16 mixed precision), so ops, sizes and times are those of the run. With a `reference`
-    profile of the same model at another batch shape, op costs are scaled from it (memory is
-    measured unless ``memory=False``). `probes` (a dict) gets each group's profiled block and its inputs, for
-    measuring action tables later (`variants.measure_variants`). `room`: the bytes profiling may
-    add above what is alive when it starts (None: no limit; see the module docstring). `head`:
-    the run's LM head option; ``"full"`` measures no other way (`head.measure_heads`).
-    ``memory=False`` runs the op pass alone: the memory fields and heads are left empty for
-    `derive.interpolate_memory`. Where the time went is in the profile's ``phase_ms`` (`phases`).
-    `compile`: the ``torch.compile`` backend the blocks will run under; their memory is then
-    measured compiled too and the profile moved by the difference (`compiled`).
-    `codec_backends`: the codec implementations timed on each op, the fastest kept
-    (`codecs.backends`; None: all on CUDA, the default one elsewhere: `ops.timed_backends`).
+    Per op: its forward time, output bytes and, for each codec that applies, the encoded bytes,
+    encode + decode time and error on the real activation; per block group what a checkpointed
+    and a plain block hold and their backward's transients; outside the blocks what the step
+    holds and the transients of the loss, the head and the embeddings (see the module
+    docstring). With a `reference` profile of the same model at another batch shape, op costs
+    are scaled from it (memory is measured unless ``memory=False``). Where the time went is in
+    the profile's ``phase_ms`` (`phases`).
+
+    Args:
+        model: the model (or a wrapper of it), on the device it trains on.
+        sample_batch: a training micro-batch of the run's shape.
+        codecs: widens the codecs profiled per op (default: the layer type's own codec).
+        codec_params: the codecs' parameters by codec name (e.g. ``{"int4_outlier":
+            {"zscore_threshold": 3.0}}``).
+        repeats: timed runs per op after `warmup`; their medians are kept.
+        warmup: untimed runs first.
+        autocast: the dtype the run's forward autocasts to (bf16 / fp16 mixed precision), so
+            ops, sizes and times are those of the run.
+        reference: a profile of the same model at another batch shape to scale op costs from.
+        probes: a dict that gets each group's profiled block and its inputs, for measuring
+            action tables later (`variants.measure_variants`).
+        room: the bytes profiling may add above what is alive when it starts (None: no limit;
+            see the module docstring).
+        head: the run's LM head option (``"auto"``, ``"full"``, ``"chunked"``); ``"full"``
+            measures no other way (`head.measure_heads`).
+        memory: False runs the op pass alone: the memory fields and heads are left empty for
+            `derive.interpolate_memory`.
+        compile: the ``torch.compile`` backend the blocks will run under; their memory is then
+            measured compiled too and the profile moved by the difference (`compiled`).
+        codec_backends: the codec implementations timed on each op, the fastest kept
+            (`codecs.backends`; None: all on CUDA, the default one elsewhere:
+            `ops.timed_backends`).
+
+    Returns:
+        The `Profile` the solver plans from.
+
+    Raises:
+        UnsupportedModelError: the model has no adapter (the message says what to change).
     """
     with recording() as phase_ms:
         profile = _profile_model(

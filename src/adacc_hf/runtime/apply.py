@@ -20,7 +20,16 @@ _HANDLE_ATTR = "_adacc_handle"
 
 
 class AdaccHandle:
-    """What `apply_adacc` did to one model; `remove()` (or leaving the `with` block) restores it."""
+    """What `apply_adacc` did to one model; `remove()` (or leaving the `with` block) restores it.
+
+    Made by `apply_adacc`, which installs it; `set_policy` switches policies between steps.
+
+    Args:
+        model: the unwrapped model it patches.
+        policy: the policy it runs.
+        host_cap: the most bytes of host memory offloaded tensors may hold (None: the default,
+            `runtime.offload`).
+    """
 
     def __init__(self, model: nn.Module, policy: Policy, host_cap: int | None = None) -> None:
         self.model = model
@@ -80,9 +89,17 @@ class AdaccHandle:
         self.active = False
 
     def set_policy(self, policy: Policy) -> None:
-        """Switch to another policy for the same model (between training steps). When the same
-        blocks are checkpointed, the block runtimes stay and keep their slot tables per variant
-        (switching back and forth, e.g. between per-shape plans, rebuilds nothing)."""
+        """Switch to another policy for the same model (between training steps).
+
+        When the same blocks are checkpointed, the block runtimes stay and keep their slot tables
+        per variant (switching back and forth, e.g. between per-shape plans, rebuilds nothing).
+
+        Args:
+            policy: a policy made for this model.
+
+        Raises:
+            PolicyError: `policy` was not made for this model's family and structure.
+        """
         policy.validate(self.model)
         adapter = get_adapter(self.model)
         plan = []
@@ -180,9 +197,6 @@ class AdaccHandle:
 def apply_adacc(model: nn.Module, policy: Policy, host_cap: int | None = None) -> AdaccHandle:
     """Make every transformer block of `model` run `policy`. Returns a handle to undo it.
 
-    `host_cap`: the most bytes of host memory offloaded tensors may hold (None: half the host
-    memory available when the first offloading policy is installed; `runtime.offload`).
-
     Works on transformers models, PEFT-wrapped ones and plain PyTorch models whose blocks were
     named (`adapters.plain.register`, ``prepare(..., blocks=...)``: their blocks' forward is
     hooked while the policy is applied); patches only this instance.
@@ -190,6 +204,22 @@ def apply_adacc(model: nn.Module, policy: Policy, host_cap: int | None = None) -
     recompute decisions as selective-checkpoint tags and, for a policy planned with ``compile=``,
     its compressed ops through `saved_codecs`; offload is refused when the block is traced
     (docs/compile.md).
+
+    Args:
+        model: the model to patch (or a wrapper of it: PEFT, DDP, ``torch.compile``).
+        policy: the policy to run (`solve_policy`, `uniform_policy` & co., `Policy.load`).
+        host_cap: the most bytes of host memory offloaded tensors may hold (None: half the host
+            memory available when the first offloading policy is installed; `runtime.offload`).
+
+    Returns:
+        The `AdaccHandle`: ``handle.remove()``, or use it as a context manager
+        (``with apply_adacc(model, policy): ...``).
+
+    Raises:
+        AlreadyAppliedError: the model is patched already (``handle.remove()`` first, or
+            ``handle.set_policy(new_policy)``).
+        PolicyError: `policy` was not made for this model's family and structure.
+        AdaccError: transformers' own gradient checkpointing is on (Adacc replaces it).
     """
     base = unwrap_model(model)
     existing = base.__dict__.get(_HANDLE_ATTR)

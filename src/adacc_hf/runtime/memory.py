@@ -29,8 +29,21 @@ from .sharded import forwards_without_backward
 
 @dataclass
 class ActivationMemory:
-    """Bytes held for backward after one forward: per block (by path) and outside the blocks
-    (``before`` the first block ran: embeddings, masks; ``after``: final norm, logits, loss)."""
+    """Bytes held for backward after one forward: per block (by path) and outside the blocks.
+
+    What `activation_memory_report` returns.
+
+    Attributes:
+        total: every byte held for backward.
+        blocks: bytes per block, by path.
+        other: bytes outside the blocks (``before`` + ``after``).
+        largest_other: the largest single storage outside the blocks.
+        before: outside the blocks, created before the first block ran: embeddings, masks.
+        after: outside the blocks, created after: final norm, logits, loss.
+        casts: of each block's bytes, autocast's casts of parameters (the weight-cast cache
+            holds them for the whole autocast region anyway: they cost a block extra only once
+            that region has ended).
+    """
 
     total: int
     blocks: dict[str, int] = field(default_factory=dict)
@@ -177,11 +190,34 @@ def _recorded_forward(
 def activation_memory_report(
     model: nn.Module, batch: Mapping[str, Any], autocast: Any = None
 ) -> ActivationMemory:
-    """Run `model(**batch)` and report what its autograd graph holds before backward."""
+    """Run `model(**batch)` and report what its autograd graph holds before backward.
+
+    Every storage an op creates during the forward is recorded with the block running it; the
+    outputs are dropped except the loss, and what is still alive is held for backward. No
+    backward runs.
+
+    Args:
+        model: the model (or a wrapper of it), patched or not.
+        batch: a micro-batch whose forward returns the loss (``out.loss`` / ``out[0]``; a plain
+            model's: what its forward and ``loss`` take).
+        autocast: a context manager entered around the forward only (e.g.
+            ``torch.autocast("cuda", dtype=torch.bfloat16)``); None: none.
+
+    Returns:
+        The `ActivationMemory`: in all, per block and outside the blocks.
+    """
     with recorded_forward(model, batch, autocast=autocast) as (report, _loss):
         return report()
 
 
 def measure_activation_memory(model: nn.Module, batch: Mapping[str, Any]) -> int:
-    """Bytes held for backward between the end of forward and the start of backward."""
+    """Bytes held for backward between the end of forward and the start of backward.
+
+    Args:
+        model: the model (or a wrapper of it), patched or not.
+        batch: a micro-batch whose forward returns the loss.
+
+    Returns:
+        ``activation_memory_report(model, batch).total``.
+    """
     return activation_memory_report(model, batch).total

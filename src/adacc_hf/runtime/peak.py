@@ -36,7 +36,19 @@ _MARK = "adacc_mark::"
 
 @dataclass
 class StepPeak:
-    """Measured bytes of one training step on its device."""
+    """Measured bytes of one training step on its device (`measure_step_peak`).
+
+    Attributes:
+        peak_nbytes: the highest bytes alive at any moment of the step.
+        baseline_nbytes: alive when the step started (parameters, buffers, gradients, optimizer
+            states, batch).
+        phases: the highest bytes alive within each phase (``forward``, ``backward``,
+            ``optimizer``).
+        device: the device measured.
+        how: how it was measured (e.g. ``"cuda allocator events"``).
+        reserved_peak_nbytes: CUDA: the caching allocator's highest reserved bytes (None
+            elsewhere).
+    """
 
     peak_nbytes: int  # the highest bytes alive at any moment of the step
     baseline_nbytes: int  # alive when the step started (parameters, buffers, grads, states, batch)
@@ -339,6 +351,19 @@ def measure_step_peak(
     higher, measured): call ``model.zero_grad(set_to_none=True)`` between such measurements.
     Phases: ``forward``, ``backward``, ``optimizer`` (with several micro-batches: the highest of
     them).
+
+    Args:
+        model: the model, patched or not.
+        batch: one micro-batch, or the micro-batches of one optimizer step (their forward
+            returns the loss: ``out.loss`` / ``out[0]``, a plain model's through its ``loss``).
+        optimizer: stepped (and its gradients zeroed) last; None: no optimizer step.
+        autocast: the dtype the forward autocasts to (None: none).
+
+    Returns:
+        The `StepPeak`: peak and baseline bytes, per phase.
+
+    Raises:
+        ValueError: an empty list of micro-batches.
     """
     batches = [batch] if isinstance(batch, Mapping) else list(batch)
     if not batches:

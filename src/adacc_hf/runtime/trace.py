@@ -363,8 +363,20 @@ def trace_model(
 ) -> ModelTrace:
     """Trace one block per group: the ordered op list that `Policy` tables address.
 
-    `batch` defaults to `dummy_batch`; pass the real micro-batch for shapes that match training,
-    and the run's `autocast` dtype (mixed precision) for its ops and dtypes.
+    Pass the real micro-batch for shapes that match training, and the run's `autocast` dtype
+    (mixed precision) for its ops and dtypes.
+
+    Args:
+        model: the model to trace.
+        batch: a micro-batch to trace on (default: `dummy_batch`).
+        autocast: the dtype the run's forward autocasts to.
+
+    Returns:
+        The `ModelTrace`: per block group, one block's ops (`OpSpec`) in order, with its path,
+        number of blocks and input bytes.
+
+    Raises:
+        UnsupportedModelError: the model has no adapter (the message says what to change).
     """
     traces: dict[str, BlockTrace] = {}
 

@@ -83,10 +83,24 @@ ACTION_KINDS: tuple[str, ...] = ("retain", "recompute", "compress", "offload")
 
 @dataclass(frozen=True)
 class Action:
-    """What happens to one op's output: ``retain``, ``recompute``, ``compress`` with a codec, or
-    ``offload`` (to host memory until backward) as it is or encoded with a codec first
-    (``offload:<codec>``). ``backend`` names the codec's implementation the profiler found
-    fastest on the device (``codecs.backends``; None: the kernel mode's choice)."""
+    """What happens to one op's output between forward and backward.
+
+    ``retain``, ``recompute``, ``compress`` with a codec, or ``offload`` (to host memory until
+    backward) as it is or encoded with a codec first (``offload:<codec>``). Build one with
+    ``Action.retain()``, ``Action.recompute()``, ``Action.compress(codec, **params)`` or
+    ``Action.offload(codec=None, **params)``.
+
+    Attributes:
+        kind: ``"retain"``, ``"recompute"``, ``"compress"`` or ``"offload"``.
+        codec: the codec (needed by ``compress``, optional for ``offload``, none otherwise).
+        params: the codec's parameters, as sorted ``(name, value)`` pairs.
+        backend: the codec's implementation the profiler found fastest on the device
+            (``codecs.backends``; None: the kernel mode's choice).
+
+    Raises:
+        PolicyError: an unknown kind, ``compress`` without a codec, a codec on ``retain`` /
+            ``recompute``, or a backend without a codec.
+    """
 
     kind: ActionKind
     codec: str | None = None
@@ -114,18 +128,34 @@ class Action:
 
     @classmethod
     def retain(cls) -> Action:
+        """Keep the output as it is."""
         return cls("retain")
 
     @classmethod
     def recompute(cls) -> Action:
+        """Drop the output; recompute it in backward."""
         return cls("recompute")
 
     @classmethod
     def compress(cls, codec: str, backend: str | None = None, **params: Any) -> Action:
+        """Keep the output encoded with `codec`.
+
+        Args:
+            codec: the codec's name (e.g. ``"int4_outlier"``).
+            backend: the codec's implementation (None: the kernel mode's choice).
+            **params: the codec's parameters (e.g. ``zscore_threshold=3.0``).
+        """
         return cls("compress", codec, tuple(sorted(params.items())), backend)
 
     @classmethod
     def offload(cls, codec: str | None = None, backend: str | None = None, **params: Any) -> Action:
+        """Hold the output in host memory until backward, as it is or encoded with `codec`.
+
+        Args:
+            codec: the codec to encode it with first (None: as it is).
+            backend: the codec's implementation (None: the kernel mode's choice).
+            **params: the codec's parameters.
+        """
         return cls("offload", codec, tuple(sorted(params.items())), backend)
 
     @property
@@ -180,15 +210,33 @@ RETAIN = Action("retain")
 class OpSpec:
     """One op of a block, as traced: its key, what it is, and what its output is.
 
-    ``aten`` (the op overload, e.g. ``"aten.mm.default"``), ``dtype`` and ``shape_class`` (the
-    rank of each tensor output, e.g. ``"4,3"``) form the op's signature: the runtime checks it
+    ``aten``, ``dtype`` and ``shape_class`` form the op's signature: the runtime checks it
     before acting on an op, so a policy never acts on another op that took this one's key (a
-    block traced with one op more or fewer, a different attention path). ``mask``: the op makes
-    a random keep-mask (``native_dropout``'s bool mask, or a tensor an RNG op fills in place, as
-    CPU dropout does) that ``bitpack`` stores at 1 bit per element; the runtime replays the RNG.
-    ``nbytes`` counts every tensor output; ``shape`` and ``dtype`` are the first's, the one a codec
-    compresses. ``side_nbytes``: what compressing the op keeps besides that payload (its other
-    outputs: layer norm's mean and rstd, attention's log-sum-exp; 0 for a mask).
+    block traced with one op more or fewer, a different attention path).
+
+    Attributes:
+        key: the op's key within its block (what policy tables address).
+        layer_type: what the op is (`LAYER_TYPES`).
+        shape: the first tensor output's shape (the one a codec compresses).
+        dtype: the first tensor output's dtype.
+        nbytes: the bytes of every tensor output.
+        saved: autograd keeps this output for backward when nothing is checkpointed.
+        cacheable: False for outputs that are mutated in place after being read (they can only
+            be recomputed).
+        aten: the op overload, e.g. ``"aten.mm.default"`` (``""`` in policies written before
+            signatures existed).
+        shape_class: the rank of each tensor output, e.g. ``"4,3"`` (``""`` in older policies).
+        mask: the op makes a random keep-mask (``native_dropout``'s bool mask, or a tensor an
+            RNG op fills in place, as CPU dropout does) that ``bitpack`` stores at 1 bit per
+            element; the runtime replays the RNG.
+        side_nbytes: what compressing the op keeps besides its codec's payload (its other
+            outputs: layer norm's mean and rstd, attention's log-sum-exp; 0 for a mask).
+        rng_states: generator states a kept output holds for replay: 1 for an op that draws from
+            an RNG, one per in-place fill of a mask an RNG fills (CPU dropout: ``bernoulli_``,
+            then ``div_``).
+        feeds_backward: backward reads its output, or what is made from it (a compiled graph
+            neither saves nor recomputes an op that feeds no backward: `profiler.compiled`);
+            True where not traced so.
     """
 
     key: str

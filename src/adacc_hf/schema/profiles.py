@@ -172,11 +172,54 @@ class OffloadLink:
 class Profile:
     """Everything the solver needs, measured on one device, dtype and micro-batch shape.
 
-    The step's memory outside the blocks: ``nonblock_nbytes`` held for backward (of it,
+    Made by `profile_model`; saved and read as JSON (``to_json`` / ``from_json``). The step's
+    memory outside the blocks: ``nonblock_nbytes`` held for backward (of it,
     ``nonblock_before_nbytes`` created before the first block: embeddings, masks; the rest after:
     final norm, logits, loss), the forward's own temporaries above what it leaves held, and the
     backward's transients: from the loss to the last block (``head``: logits gradient, head weight
     gradient) and after the first block (``tail``: embedding gradients, tied weights).
+
+    Attributes:
+        model_type: the model's type (``config.model_type``).
+        adapter: the adapter that found its blocks.
+        adapter_version: that adapter's version.
+        device: the device measured on (with its name on CUDA).
+        dtype: the model's floating-point parameter dtype.
+        batch_shape: the micro-batch's tensor shapes, by name.
+        groups: per block group, its ops' costs and its blocks' memory (`GroupProfile`).
+        nonblock_nbytes: bytes held for backward outside the blocks.
+        head_transient_nbytes: the backward's transient from the loss to the last block (logits
+            gradient, head weight gradient).
+        profile_ms: wall time spent profiling.
+        phase_ms: of it, per `profiler.phases` phase.
+        autocast: the autocast dtype the profile ran under (None: off).
+        nonblock_before_nbytes: of ``nonblock_nbytes``, what was created before the first block.
+        forward_transient_nbytes: the forward's own temporaries above what it leaves held.
+        tail_transient_nbytes: the backward's transient after the first block (embedding
+            gradients, tied weights).
+        nonblock_grad_nbytes: gradients of trainable parameters outside the blocks.
+        batch_nbytes: the micro-batch's own tensors (on the device all step long).
+        timeline: one step measured under full recomputation (None: synthesised from the fields
+            above).
+        variant_transients: measured per action table: ``"group:variant fingerprint"`` ->
+            [forward, backward] transient minus full recomputation's, on the profiled block
+            (``"group:full"``: full recomputation's own); measured compiled, a third entry: the
+            held bytes minus full recomputation's.
+        variant_ms: measured per action table (same keys): forward + backward ms of the
+            profiled block under it minus the plain block's.
+        heads: measured per way of running the LM head and loss (`HEADS`; empty: only the
+            model's own, which the timeline measured).
+        compiled: where the blocks were measured under ``torch.compile`` too
+            (`profiler.compiled`): the backend and, per group, the shifts (compiled - eager) the
+            profile was moved by; empty: eager.
+        library_version: the adacc-hf version that measured it.
+        fingerprint: what the measurements depend on besides the batch (`profiler.fingerprint`),
+            and the bucket.
+        memory_from: the two buckets this profile's memory was interpolated between
+            (`profiler.derive`), tiny first; empty: measured.
+        offload: the device <-> host link, where offload is planned (None: the solver never
+            offloads).
+        format_version: the profile's file format.
     """
 
     model_type: str

@@ -153,12 +153,23 @@ def parse_budget(
 ) -> int:
     """A memory budget in bytes.
 
-    ``budget``: bytes (int), ``"20GiB"`` / ``"20 GiB"`` / ``"512MiB"`` (powers of 2), ``"20GB"`` /
-    ``"1.5TB"`` (powers of 10), ``"80%"`` of ``device``'s total memory, or ``"auto"``: the device's
-    free memory now minus a margin of max(1 GiB, 5 % of total). ``device`` (default: the current
-    CUDA device if CUDA is available, else the host) is only read for ``%`` and ``auto``.
-    ``resident_nbytes`` (bytes the plan counts already on the device) is added back for ``auto``.
-    Raises `BudgetError` on anything else.
+    Sizes are exact; ``%`` and ``auto`` read the device's memory now (host RAM for anything but
+    CUDA).
+
+    Args:
+        budget: bytes (int), ``"20GiB"`` / ``"20 GiB"`` / ``"512MiB"`` (powers of 2), ``"20GB"``
+            / ``"1.5TB"`` (powers of 10), ``"80%"`` of ``device``'s total memory, or ``"auto"``:
+            the device's free memory now minus a margin of max(1 GiB, 5 % of total).
+        device: the device ``%`` and ``auto`` refer to (default: the current CUDA device if CUDA
+            is available, else the host); only read for those.
+        resident_nbytes: bytes the plan counts already on the device, added back for ``auto``.
+
+    Returns:
+        The budget in bytes (positive).
+
+    Raises:
+        BudgetError: anything else, a budget that is not positive, ``auto`` leaving nothing, or
+            a device whose memory cannot be read.
     """
     return resolve_budget(budget, device, resident_nbytes).nbytes
 

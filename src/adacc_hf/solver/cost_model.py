@@ -418,11 +418,27 @@ def predict(
 
     Ops a variant does not name count as recompute; a codec the profile did not measure on an op
     is sized exactly (``Codec.predict_nbytes``) and timed as 0 ms (listed in ``unprofiled``).
-    ``static_nbytes``: a `StaticMemory` (gradients, states and optimizer temporaries placed in the
-    step), or a number of bytes resident all step long. The policy's LM head (``policy.head``)
-    adds its measured time and bytes beyond the model's own head (`head_moments.head_shift`).
-    A variant timed whole on the profiled block (``profile.variant_ms``) adds that time, unless
-    ``measured_ms=False``: the per-op sums alone, as the solver compares its candidates.
+    The policy's LM head (``policy.head``) adds its measured time and bytes beyond the model's
+    own head (`head_moments.head_shift`).
+
+    Args:
+        profile: the model's `Profile`.
+        policy: any policy for the same model (solved, rule-based or edited).
+        static_nbytes: a `StaticMemory` (gradients, states and optimizer temporaries placed in
+            the step), or a number of bytes resident all step long.
+        accumulation: micro-batches per optimizer step (gradients alive through every one but
+            the first).
+        measured_ms: a variant timed whole on the profiled block (``profile.variant_ms``) adds
+            that time; False: the per-op sums alone, as the solver compares its candidates.
+
+    Returns:
+        The `Prediction`: held bytes (in all and per block), added ms per step, transient,
+        static and peak bytes, the moment that sets the peak and the largest predicted gradient
+        error of a block.
+
+    Raises:
+        PolicyError: the policy's blocks do not match the profile's (made for another model), or
+            it offloads and the profile has no host link to price it.
     """
     loads, added_ms, unprofiled = block_loads(profile, policy, measured_ms)
     shift = head_shift(profile, policy.head)

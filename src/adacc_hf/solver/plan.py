@@ -43,19 +43,44 @@ def solve(
 ) -> Solution:
     """Solve for the fastest per-op policy of ``profile`` whose step peaks within ``budget``.
 
-    ``budget`` is anything `parse_budget` reads (``%`` and ``auto`` refer to ``profile.device``);
-    ``static_nbytes`` is the policy-independent memory (see `estimate_static_memory`). Only
-    codecs named in ``codecs`` (default: all profiled) whose measured relative error is
-    ``<= max_rel_error`` (``None``: any) are used; ``max_grad_error`` bounds each block's gradient
-    error (its lossy ops' measured ``grad_error`` added in quadrature, `profiler.fidelity`;
-    unmeasured codecs count 0). The solver stops once its policy is provably
-    within ``mip_gap`` x (the added time of full recomputation) of the optimum (``0``: prove
-    optimality; that can take seconds on near-symmetric blocks), or after ``time_limit_s`` with
-    the best policy found. ``accumulation`` > 1: gradients are alive through every micro-batch
-    but the first. Raises `BudgetError` when no policy fits. A solver failure falls back to full
-    recomputation with a warning. ``head``: how the LM head and loss run (`schema.HEADS`), or
-    ``"auto"``: each way the profile measured is solved for and the fastest fitting one wins
-    (``policy.head``).
+    The MILP (`milp`) picks each op's action per block; the policy is the one with the least
+    added time per step whose predicted step peak fits. A solver failure falls back to full
+    recomputation with a warning.
+
+    Args:
+        profile: the model's `Profile` (`profile_model`).
+        budget: anything `parse_budget` reads (``%`` and ``auto`` refer to ``profile.device``).
+        static_nbytes: the policy-independent memory (see `estimate_static_memory`): a
+            `StaticMemory`, or bytes resident all step long.
+        codecs: the codecs the policy may use (default: all profiled).
+        max_rel_error: a codec is used on an op only if its measured relative error there is
+            ``<= max_rel_error`` (``None``: any).
+        max_grad_error: bounds each block's gradient error (its lossy ops' measured
+            ``grad_error`` added in quadrature, `profiler.fidelity`; unmeasured codecs count 0);
+            None: no bound.
+        solver: the MILP solver: ``"cbc"`` or ``"highs"`` (CBC where HiGHS is not installed).
+        time_limit_s: after this many seconds the best policy found is used.
+        split_blocks: let the blocks of a group run different action tables (False: one per
+            group, the paper's formulation).
+        mip_gap: the solver stops once its policy is provably within ``mip_gap`` x (the added
+            time of full recomputation) of the optimum (``0``: prove optimality; that can take
+            seconds on near-symmetric blocks).
+        accumulation: micro-batches per optimizer step; > 1: gradients are alive through every
+            micro-batch but the first.
+        head: how the LM head and loss run (`schema.HEADS`), or ``"auto"``: each way the profile
+            measured is solved for and the fastest fitting one wins (``policy.head``).
+
+    Returns:
+        The `Solution`: the policy, the solver's status and the predicted held bytes, step peak
+        and added time.
+
+    Raises:
+        BudgetError: no policy fits (the message says what dominates the step), or a malformed
+            budget.
+        PolicyError: a profile without block groups, or a `head` the profile did not measure.
+        CodecError: a codec in `codecs` that does not exist.
+        ValueError: a negative `mip_gap`, `max_rel_error` or `max_grad_error`, an `accumulation`
+            below 1, or an unknown `solver`.
     """
     heads = candidate_heads(profile, head)
     kwargs = dict(
@@ -277,7 +302,29 @@ def solve_policy(
     accumulation: int = 1,
     head: str = "full",
 ) -> Policy:
-    """The `Policy` of `solve` (same arguments); its metadata holds the predicted numbers."""
+    """The `Policy` of `solve` (same arguments); its metadata holds the predicted numbers.
+
+    Args:
+        profile: the model's `Profile` (`profile_model`).
+        budget: anything `parse_budget` reads (``%`` and ``auto`` refer to ``profile.device``).
+        static_nbytes: the policy-independent memory (`estimate_static_memory`), or bytes.
+        codecs: the codecs the policy may use (default: all profiled).
+        max_rel_error: the largest measured relative error of a codec on an op (None: any).
+        max_grad_error: the bound on each block's gradient error (None: no bound).
+        solver: the MILP solver: ``"cbc"`` or ``"highs"``.
+        time_limit_s: after this many seconds the best policy found is used.
+        split_blocks: let the blocks of a group run different action tables.
+        mip_gap: the relative optimality gap the solver stops at (``0``: prove optimality).
+        accumulation: micro-batches per optimizer step.
+        head: how the LM head and loss run (`schema.HEADS`), or ``"auto"``.
+
+    Returns:
+        The fastest policy that fits; ``policy.metadata["predicted"]`` holds the cost model's
+        numbers.
+
+    Raises:
+        BudgetError: no policy fits, or a malformed budget (and the rest as `solve`).
+    """
     return solve(
         profile,
         budget,

@@ -286,10 +286,37 @@ def estimate_static_memory(
     rank: int | None = None,
 ) -> StaticMemory:
     """Predicted static bytes per device of training ``model`` (rules in the module docstring).
-    ``fp32_embeddings``: 8-bit optimizers keep embedding states in fp32, as under the HF Trainer.
-    ``ddp``: replicated over ``world_size`` ranks by DDP, with its gradient buckets.
-    ``zero_buckets``: ZeRO-2's reduce-bucket elements, ``rank``: that rank's engine rules (None:
-    the worst rank's; `engines.engine_memory`)."""
+
+    Parameters, gradients, optimizer states, master weights and communication buffers: what does
+    not depend on the activation policy, from the model alone.
+
+    Args:
+        model: the model as it trains (frozen parameters, e.g. a LoRA base model, have no
+            gradients nor states).
+        optimizer: the optimizer's name as ``TrainingArguments.optim`` gives it (one of
+            `KNOWN_OPTIMIZERS`, any ``"adamw_torch*"`` name except 4-bit ones, or ``"*8bit*"``).
+        mixed_precision: ``None`` / ``"no"``, ``"bf16"`` or ``"fp16"``.
+        master_weights: fp32 copies of 16-bit parameters (DeepSpeed-style mixed precision; needs
+            `mixed_precision` unless ZeRO-1/2).
+        zero_stage: the DeepSpeed ZeRO stage (0-3) sharding states, gradients and parameters over
+            `world_size`.
+        fsdp: FSDP full shard over `world_size` (not with a ZeRO stage).
+        world_size: the ranks sharing the model (>= 1).
+        offload_optimizer: optimizer states and master weights are kept off the device.
+        fp32_embeddings: 8-bit optimizers keep embedding states in fp32, as under the HF Trainer.
+        ddp: replicated over ``world_size`` ranks by DDP, with its gradient buckets.
+        zero_buckets: ZeRO-2's reduce-bucket elements.
+        rank: that rank's engine rules (None: the worst rank's; `engines.engine_memory`).
+
+    Returns:
+        The `StaticMemory`: bytes per kind (``total`` is what persists all step), the optimizer
+        step's temporaries and the sharding engine's per-moment rules.
+
+    Raises:
+        BudgetError: an unknown optimizer or mixed precision, or options that do not go together
+            (``fsdp`` with a ZeRO stage, ``ddp`` with either, ``master_weights`` without mixed
+            precision, a ZeRO stage outside 0-3, a `world_size` below 1).
+    """
     opt = _optimizer_model(optimizer)
     if mixed_precision not in MIXED_PRECISION:
         raise BudgetError(
