@@ -26,6 +26,7 @@ logger = logging.getLogger("adacc_hf")
 
 __all__ = [
     "AdaccCallback",
+    "batches_fetched_ahead",
     "checkpointing_by_default",
     "checkpointing_on",
     "explicit_checkpointing_error",
@@ -180,6 +181,26 @@ def _longest_row(args: Any, collator: Any, dataset: Any) -> int | None:
     return None
 
 
+def batches_fetched_ahead(loader: Any) -> int:
+    """Batches `loader` holds beside the one it yields: accelerate's loaders (every Trainer's,
+    TRL's included, and any ``accelerator.prepare``d one) fetch the next batch from the loader they
+    wrap before yielding the current one, to know whether it is the last; the dispatcher does so
+    on the main process only, a whole dispatched batch (every process's micro-batch) unless it
+    splits batches. 0 for any other loader."""
+    try:
+        from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+    except ImportError:  # pragma: no cover - transformers' Trainer needs accelerate
+        return 0
+    if isinstance(loader, DataLoaderShard):
+        return 1
+    if isinstance(loader, DataLoaderDispatcher):
+        state = loader.state
+        if state.process_index != 0:
+            return 0
+        return 1 if loader.split_batches else max(1, int(state.num_processes))
+    return 0
+
+
 def trl_fused_head(model: Any) -> bool:
     """Whether TRL's fused LM head owns the model's forward (`SFTTrainer` patches it onto the
     instance: with ``fused_lm_head=True`` the loss is computed chunk by chunk from the final hidden
@@ -327,8 +348,8 @@ class AdaccCallback(TrainerCallback):
                 "adacc auto_batch_size needs AdaccTrainer: a plain Trainer builds its data loader "
                 "before callbacks run, so the micro-batch cannot change there"
             )
+        loader = kwargs.get("train_dataloader")
         if config.max_seq_len is None:
-            loader = kwargs.get("train_dataloader")
             collate = getattr(loader, "collate_fn", None)
             collate = getattr(collate, "data_collator", collate)  # Trainer's column remover
             longest = longest_sequence(args, collate, getattr(loader, "dataset", None))
@@ -358,6 +379,7 @@ class AdaccCallback(TrainerCallback):
             self.session.reuse_profiles(*saved)
         if sched:
             self.session.restore_schedule(sched)
+        self.session.loader_ahead = batches_fetched_ahead(loader)  # alive beside each step's
         self.session.oom_reserve_nbytes = reserve  # what the device showed it does not hold
         self.session.attach()
         trainer = find_trainer()  # an out-of-memory step is re-planned and re-run (`retry`)

@@ -6,6 +6,7 @@ what an earlier run saved where its fingerprint is this run's (`profiler.fingerp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from ..profiler.derive import chord_excess, contains, interpolate_memory, length
 from ..profiler.fingerprint import differences, run_fingerprint
 from ..profiler.memory import sharded
 from ..profiler.room import profiling_room
-from ..runtime.peak import storage_nbytes
+from ..runtime.peak import batch_nbytes, storage_nbytes
 from ..runtime.sharded import forwards_without_backward
 from ..schema import Profile
 from ..units import fmt_bytes
@@ -56,6 +57,11 @@ class SessionProfiling:
     plans: dict
     oom_reserve_nbytes: int
     _planning: bool
+    device: torch.device
+    static: StaticMemory | None
+    #: Batches the run's data loader fetches ahead of the one a step runs (set by the callback,
+    #: `callback.batches_fetched_ahead`): counted by `count_batches_ahead`.
+    loader_ahead: int = 0
 
     def _static(self) -> StaticMemory: ...
     def _budget(self) -> int: ...
@@ -110,6 +116,21 @@ class SessionProfiling:
         room = profiling_room(self.model, budget, tensors, s.optimizer + s.master_weights)
         # every rank skips the same runs (each run all-gathers parameters under ZeRO-3 / FSDP)
         return -self.coordinator.agree((-room,))[0]
+
+    def count_batches_ahead(self, batch: Mapping[str, Any], key: ShapeKey) -> None:
+        """Count the batches the run's data loader holds beyond the step's own in the static
+        memory every plan is predicted with (`StaticMemory.batches_ahead`): `loader_ahead` of
+        them (accelerate's loaders, every Trainer's: the next batch is fetched before this one is
+        yielded), each as large as `batch` padded to bucket `key`, the largest bucket planned
+        so far (the run's longest first, where ``max_seq_len`` says it). The collator makes them
+        on the host and accelerate moves a batch to the device only as it yields it, so they are
+        on the device where the device is the host (a CPU run)."""
+        if not self.loader_ahead or self.device.type != "cpu":
+            return
+        ahead = self.loader_ahead * batch_nbytes(self._padded(batch, key).values())
+        static = self._static()
+        if ahead > static.batches_ahead:
+            self.static = dataclasses.replace(static, batches_ahead=ahead)
 
     def _profile(
         self,

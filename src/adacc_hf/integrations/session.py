@@ -156,6 +156,7 @@ class AdaccSession(StepHooks):
 
     def _replan(self, batch: Mapping[str, Any], key: ShapeKey, plan: Plan | None) -> Plan:
         probes: dict[str, BlockProbe] = {}
+        self.count_batches_ahead(batch, key)  # the loader's next batch, as large as this one
         reserve = plan.reserve_nbytes if plan is not None else self.guard.learned_nbytes
         room = self.profiling_room(batch)
         if plan is not None:
