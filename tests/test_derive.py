@@ -148,7 +148,9 @@ def test_later_buckets_are_interpolated_and_a_step_that_disproves_one_measures_i
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     session = prepare(m, budget_for(m, "full", 0.5), optimizer=opt, adaptive=False)
     reads: list[int] = []
-    session.ctx.derived_check = DerivedCheck(lambda d: reads.append(0), lambda w, keep=True: 1 << 40)
+    session.ctx.derived_check = DerivedCheck(
+        lambda d: reads.append(0), lambda w, keep=True: 1 << 40
+    )
     short = pad_collate(rows(8)[1:2] * 4)  # 4 x 24
     for step, batch in enumerate([longest(), short, short], start=1):
         m(**batch).loss.backward()

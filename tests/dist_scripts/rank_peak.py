@@ -205,7 +205,9 @@ def run(engine: str, args: argparse.Namespace) -> None:
         "measured_nbytes": meter.peak_nbytes,
         "measured_start_nbytes": meter.start_nbytes,
         "measured_phases": meter.phases,
-        "predicted_moments": predict(session.profile, session.policy, session.ctx.static_memory()).moments,
+        "predicted_moments": predict(
+            session.profile, session.policy, session.ctx.static_memory()
+        ).moments,
         "measure_step_peak_nbytes": tracked.peak_nbytes,
         "measure_step_peak_phases": tracked.phases,
         "static": None if static is None else asdict(static),

@@ -10,6 +10,7 @@ report and the current optimizer step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from ..adapters.plain import plain_model
-from ..runtime.peak import live_state_nbytes
+from ..runtime.peak import batch_nbytes, live_state_nbytes
 from ..runtime.sharded import forwards_without_backward
 from ..solver import StaticMemory, estimate_static_memory, parse_budget
 from .config import AdaccConfig
@@ -52,6 +53,9 @@ class SessionContext:
         # A step's interpolated-memory check, abandoned by the session's own forwards.
         self.derived_check = DerivedCheck()
         self.planning = False  # True during the session's own forwards (profiling, measuring)
+        # Batches the run's data loader fetches ahead of the one a step runs (set by the
+        # callback: `run_facts.batches_fetched_ahead`), counted by `count_batches_ahead`.
+        self.loader_ahead = 0
 
     @property
     def device(self) -> torch.device:
@@ -70,6 +74,21 @@ class SessionContext:
             resident = live_state_nbytes(self.model)
             self.budget_nbytes = parse_budget(self.config.budget, self.device, resident)
         return self.budget_nbytes
+
+    def count_batches_ahead(self, batch: Mapping[str, Any], key: ShapeKey) -> None:
+        """Count the batches the run's data loader holds beyond the step's own in the static
+        memory every plan is predicted with (`StaticMemory.batches_ahead`): `loader_ahead` of
+        them (accelerate's loaders, every Trainer's: the next batch is fetched before this one is
+        yielded), each as large as `batch` padded to bucket `key`, the largest bucket planned
+        so far (the run's longest first, where ``max_seq_len`` says it). The collator makes them
+        on the host and accelerate moves a batch to the device only as it yields it, so they are
+        on the device where the device is the host (a CPU run)."""
+        if not self.loader_ahead or self.device.type != "cpu":
+            return
+        ahead = self.loader_ahead * batch_nbytes(self.padded(batch, key).values())
+        static = self.static_memory()
+        if ahead > static.batches_ahead:
+            self.static = dataclasses.replace(static, batches_ahead=ahead)
 
     def limit(self, reserve: int = 0) -> int:
         """The bytes a plan may peak at: the budget less `reserve` and the device reserve."""

@@ -97,6 +97,7 @@ class Planner:
     def _replan(self, batch: Mapping[str, Any], key: ShapeKey, plan: Plan | None) -> Plan:
         ctx, store = self.ctx, self.store
         probes: dict[str, BlockProbe] = {}
+        ctx.count_batches_ahead(batch, key)  # the loader's next batch, as large as this one
         reserve = plan.reserve_nbytes if plan is not None else self.guard.learned_nbytes
         room = store.profiling_room(batch)
         if plan is not None:

@@ -21,6 +21,7 @@ from ..schema import Profile
 from .card import read_artifacts, write_artifacts
 from .retry import find_trainer, wrap_trainer
 from .run_facts import (
+    batches_fetched_ahead,
     checkpointing_by_default,
     checkpointing_on,
     explicit_checkpointing_error,
@@ -141,8 +142,8 @@ class AdaccCallback(TrainerCallback):
                 "adacc auto_batch_size needs AdaccTrainer: a plain Trainer builds its data loader "
                 "before callbacks run, so the micro-batch cannot change there"
             )
+        loader = kwargs.get("train_dataloader")
         if config.max_seq_len is None:
-            loader = kwargs.get("train_dataloader")
             collate = getattr(loader, "collate_fn", None)
             collate = getattr(collate, "data_collator", collate)  # Trainer's column remover
             longest = longest_sequence(args, collate, getattr(loader, "dataset", None))
@@ -172,6 +173,7 @@ class AdaccCallback(TrainerCallback):
             self.session.reuse_profiles(*saved)
         if sched:
             self.session.restore_schedule(sched)
+        self.session.ctx.loader_ahead = batches_fetched_ahead(loader)  # alive beside each step's
         self.session.oom_reserve_nbytes = reserve  # what the device showed it does not hold
         self.session.attach()
         trainer = find_trainer()  # an out-of-memory step is re-planned and re-run (`retry`)

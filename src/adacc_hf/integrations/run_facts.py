@@ -19,6 +19,7 @@ from .sharding import sharding_from_trainer
 logger = logging.getLogger("adacc_hf")
 
 __all__ = [
+    "batches_fetched_ahead",
     "checkpointing_by_default",
     "checkpointing_on",
     "explicit_checkpointing_error",
@@ -173,6 +174,26 @@ def _longest_row(args: Any, collator: Any, dataset: Any) -> int | None:
     except Exception:  # an iterable or unusual dataset: nothing to read
         return None
     return None
+
+
+def batches_fetched_ahead(loader: Any) -> int:
+    """Batches `loader` holds beside the one it yields: accelerate's loaders (every Trainer's,
+    TRL's included, and any ``accelerator.prepare``d one) fetch the next batch from the loader they
+    wrap before yielding the current one, to know whether it is the last; the dispatcher does so
+    on the main process only, a whole dispatched batch (every process's micro-batch) unless it
+    splits batches. 0 for any other loader."""
+    try:
+        from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+    except ImportError:  # pragma: no cover - transformers' Trainer needs accelerate
+        return 0
+    if isinstance(loader, DataLoaderShard):
+        return 1
+    if isinstance(loader, DataLoaderDispatcher):
+        state = loader.state
+        if state.process_index != 0:
+            return 0
+        return 1 if loader.split_batches else max(1, int(state.num_processes))
+    return 0
 
 
 def trl_fused_head(model: Any) -> bool:

@@ -162,6 +162,9 @@ class StaticMemory:
     optimizer_step: int = 0  # temporaries alive inside optimizer.step()
     comm: int = 0  # communication buffers held all step (DDP's gradient buckets)
     engine: EngineMemory | None = None  # FSDP2 / ZeRO-2 / ZeRO-3 per-moment rules (`engines`)
+    # Input batches the run's data loader holds on the device beyond the step's own (the next
+    # one, fetched ahead: `engine.context.SessionContext.count_batches_ahead`).
+    batches_ahead: int = 0
 
     @property
     def total(self) -> int:
@@ -172,8 +175,15 @@ class StaticMemory:
     @property
     def resident(self) -> int:
         """On the device all step long, gradients aside: parameters, buffers, states, masters,
-        communication buffers."""
-        return self.params + self.buffers + self.optimizer + self.master_weights + self.comm
+        communication buffers and the loader's batches fetched ahead."""
+        return (
+            self.params
+            + self.buffers
+            + self.optimizer
+            + self.master_weights
+            + self.comm
+            + self.batches_ahead
+        )
 
     def describe(self) -> str:
         """A small table: one line per component, then the total."""

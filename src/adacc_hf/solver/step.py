@@ -18,9 +18,10 @@ what the policy changes, block by block:
     tail        resident + timeline.tail_peak                          (embeddings, tied weights)
     optimizer   resident + gradients + the optimizer step's temporaries
 
-``resident`` = parameters, buffers, optimizer states, master weights and the step's batches (with
+``resident`` = parameters, buffers, optimizer states, master weights, the step's batches (with
 gradient accumulation the Trainer fetches every micro-batch of a step before the first forward,
-`batches_nbytes`); ``d_i`` = what
+`batches_nbytes`) and the loader's next batch where it is fetched ahead onto the device
+(`StaticMemory.batches_ahead`: a Trainer's loader on a CPU device); ``d_i`` = what
 block i holds under the policy minus what it holds under full recomputation (its checkpoint's
 frame included: the generator state stashed for recompute, ``frame_nbytes``); ``f_i`` = ``d_i`` less
 a plain block's parameter casts (autocast's cache holds them through forward under any policy),
@@ -131,7 +132,8 @@ def batches_nbytes(profile: Profile, accumulation: int = 1) -> int:
     """The batches alive all step long: every micro-batch of it (the Trainer's
     ``get_batch_samples`` fetches them all before the first forward to count the step's tokens;
     a loop that loads one at a time holds less). Unplanned, a bf16 accumulating loop measured one
-    micro-batch's tensors over its plan."""
+    micro-batch's tensors over its plan. The loader's next batch, fetched ahead, is in the static
+    memory (`StaticMemory.batches_ahead`): its size is the run's longest batch, not this bucket's."""
     return profile.batch_nbytes * max(1, accumulation)
 
 
