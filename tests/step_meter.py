@@ -13,6 +13,19 @@ from adacc_hf.runtime.capacity import DeviceMeter
 from adacc_hf.runtime.peak import live_state_nbytes
 
 
+class Predicted(TrainerCallback):
+    """The step peak the plan of each optimizer step's bucket predicted (from `callback`'s
+    session), beside `StepMeter`'s measurement."""
+
+    def __init__(self, callback: TrainerCallback) -> None:
+        self.callback = callback
+        self.peaks: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        policy = self.callback.session.current.policy
+        self.peaks.append(policy.metadata["predicted"]["peak_nbytes"])
+
+
 class StepMeter(TrainerCallback):
     """Peak live bytes of each optimizer step of a Trainer run (``peaks[i]``: step i + 1), read
     from `meter`, which must be active around ``trainer.train()`` (see `metered`)."""

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import pytest
 import torch
 from conftest import step
-from step_meter import StepMeter, metered
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from step_meter import Predicted, StepMeter, metered
+from transformers import Trainer, TrainingArguments
 
 from adacc_hf import (
     AdaccCallback,
@@ -204,18 +204,6 @@ def test_static_memory_counts_quantised_weights_and_their_states(dense_dir, sett
 
 
 # ------------------------------------------------------------------ steps within the budget
-class Predicted(TrainerCallback):
-    """The step peak the plan of each optimizer step's bucket predicted."""
-
-    def __init__(self, callback: AdaccCallback) -> None:
-        self.callback = callback
-        self.peaks: list[int] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        policy = self.callback.session.current.policy
-        self.peaks.append(policy.metadata["predicted"]["peak_nbytes"])
-
-
 def budget_at(model, batch: Batch, optimizer: str = "adamw_torch", **kw) -> int:
     """Halfway between full recomputation's and no checkpointing's predicted step peak on the
     run's longest batch."""

@@ -187,18 +187,6 @@ def test_sft_trainer_padding_free_packing_trains_within_budget(tmp_path, caplog)
     assert seen and all(k[0] == 1 and k[-1] == 1 for k in seen), seen
 
 
-class _Predicted(TrainerCallback):
-    """The step peak the plan of each optimizer step's bucket predicted."""
-
-    def __init__(self, callback: AdaccCallback) -> None:
-        self.callback = callback
-        self.peaks: list[int] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        policy = self.callback.session.current.policy
-        self.peaks.append(policy.metadata["predicted"]["peak_nbytes"])
-
-
 def test_sft_trainer_steps_count_the_batch_the_loader_fetches_ahead(tmp_path):
     """Every step of an SFTTrainer run, metered by the independent storage meter (`step_meter`:
     live storages, profiling included), stays within the budget and within 5 % of its plan's
@@ -207,7 +195,7 @@ def test_sft_trainer_steps_count_the_batch_the_loader_fetches_ahead(tmp_path):
     (`StaticMemory.batches_ahead`). Rows are cut to max_length: every batch is its bucket's edge
     and the plan has no padding to spare. Without the batch ahead (12 KB here) steps 2 and 3
     measured 2 KB over their prediction (7 KB over the budget where the plan filled it)."""
-    from step_meter import StepMeter, metered
+    from step_meter import Predicted, StepMeter, metered
 
     from adacc_hf.runtime.peak import batch_nbytes
 
@@ -232,7 +220,7 @@ def test_sft_trainer_steps_count_the_batch_the_loader_fetches_ahead(tmp_path):
     budget = budget_for(model, trainer, (rows, length, 1))
     callback.config = dataclasses.replace(callback.config, budget=budget)
     with metered(model) as meter:
-        steps, predicted = StepMeter(meter), _Predicted(callback)
+        steps, predicted = StepMeter(meter), Predicted(callback)
         trainer.add_callback(steps)
         trainer.add_callback(predicted)
         trainer.train()
