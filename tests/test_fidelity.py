@@ -38,6 +38,7 @@ def _whole_error(model, batch, ref, policy) -> float:
     return grad_rel_error(grads, ref)
 
 
+@pytest.mark.slow  # ~2.5 min (the 30-layer model, loaded and run 3 times); make test-all
 def test_uniform_compress_and_qkv_alone_keep_gradients_within_the_bar(smollm2):
     model, batch, ref = smollm2
     trace = trace_model(model, batch)

@@ -53,6 +53,7 @@ def test_adacc_fits_where_full_checkpointing_fits(family):
         assert session.policy.metadata["status"] != "fallback"
 
 
+@pytest.mark.slow  # ~1 min: a comparison with transformers' every_n_layers at several budgets
 def test_adacc_plans_no_more_recompute_than_every_n_layers_where_it_fits():
     """At the budget transformers' ``every_n_layers=k`` measures (its plain layers' checkpoint
     frames counted right: a plain block stashes no generator state), Adacc finds a plan at least

@@ -87,6 +87,7 @@ def test_a_cpu_build_is_never_touched(fake_cuda, monkeypatch):
     assert allocator.reserved_nbytes(torch.device("cpu")) is None
 
 
+@pytest.mark.slow  # ~1.5 min (make test-all); the guard's allocator reading is checked above
 def test_a_step_reserving_over_the_budget_replans_its_bucket_with_the_overshoot_kept_free():
     model = assets.tiny_model("llama")
     batch = assets.tiny_batch("llama", model, batch_size=4, seq_len=64)

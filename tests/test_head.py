@@ -267,6 +267,7 @@ def test_profiling_draws_no_random_numbers_the_run_would_see():
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
+@pytest.mark.slow  # ~1 min; the chunked head's bf16 step peak stays in the default run above
 def test_chunked_head_holds_a_bf16_accumulating_loop_across_new_buckets():
     """A custom loop under the caller's own ``torch.autocast`` (bf16), gradient accumulation 2 and
     batches of new lengths: every forward, the first of each bucket included (its policy is
