@@ -15,25 +15,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..adapters import unwrap_model
-from ..adapters.forward import call_batch
 from ..adapters.plain import plain_model
 from ..errors import AdaccError
-from ..evolution import TrackingSchedule
 from ..policy import Policy
 from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.allocator import use_expandable_segments
-from ..runtime.checkpoint import own_eager_runs
 from ..runtime.plain import check_forward
-from ..runtime.quantized import check_trainable
 from ..schema import Profile
-from ..solver import StaticMemory
 from .config import AdaccConfig, detect_autocast
 from .context import SessionContext
 from .coordinator import Coordinator, coordinator_for_process
+from .forward_hook import install_planning_hook
 from .guard import ReservedGuard
 from .planner import Planner
 from .plans import AdaccEvent, Plan
@@ -45,6 +40,22 @@ from .tracking import OomRecovery, Rectifier
 logger = logging.getLogger("adacc_hf")
 
 __all__ = ["AdaccConfig", "AdaccEvent", "AdaccSession", "Plan"]
+
+
+class _OnContext:
+    """An attribute of the session that lives on its `SessionContext` (read and set there)."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, session: Any, owner: type | None = None) -> Any:
+        return self if session is None else getattr(session.ctx, self.name)
+
+    def __set__(self, session: Any, value: Any) -> None:
+        setattr(session.ctx, self.name, value)
 
 
 class AdaccSession:
@@ -109,50 +120,17 @@ class AdaccSession:
     fixed = property(lambda self: self.planner.fixed)
     schedule = property(lambda self: self.rectifier.schedule)
 
-    @property
-    def step(self) -> int:
-        """The optimizer step the session is at (1-based; 0 before training)."""
-        return self.ctx.step
-
-    @property
-    def autocast(self) -> torch.dtype | None:
-        """The autocast dtype plans are made under (None: none, or not known yet)."""
-        return self.ctx.autocast
-
-    @autocast.setter
-    def autocast(self, value: torch.dtype | None) -> None:
-        self.ctx.autocast = value
-
-    @property
-    def static(self) -> StaticMemory | None:
-        """The step's static memory, once computed (set: plan with this one)."""
-        return self.ctx.static
-
-    @static.setter
-    def static(self, value: StaticMemory | None) -> None:
-        self.ctx.static = value
+    step = _OnContext("The optimizer step the session is at (1-based; 0 before training).")
+    autocast = _OnContext("The autocast dtype plans are made under (None: none, or not known yet).")
+    static = _OnContext("The step's static memory, once computed (set: plan with this one).")
+    budget_nbytes = _OnContext("The budget in bytes, once resolved.")
+    oom_reserve_nbytes = _OnContext(
+        "Bytes every plan keeps free below the budget after out-of-memory errors."
+    )
 
     @property
     def static_nbytes(self) -> int | None:
         return self.ctx.static.total if self.ctx.static is not None else None
-
-    @property
-    def budget_nbytes(self) -> int | None:
-        """The budget in bytes, once resolved."""
-        return self.ctx.budget_nbytes
-
-    @budget_nbytes.setter
-    def budget_nbytes(self, value: int | None) -> None:
-        self.ctx.budget_nbytes = value
-
-    @property
-    def oom_reserve_nbytes(self) -> int:
-        """Bytes every plan keeps free below the budget after out-of-memory errors."""
-        return self.ctx.oom_reserve_nbytes
-
-    @oom_reserve_nbytes.setter
-    def oom_reserve_nbytes(self, value: int) -> None:
-        self.ctx.oom_reserve_nbytes = value
 
     @property
     def policy(self) -> Policy | None:
@@ -277,39 +255,7 @@ class AdaccSession:
         if self._hook is not None:
             return
         self.model.__dict__["_adacc_session"] = self
-        quantized = [p for p in self.model.parameters() if hasattr(p, "quant_state")]
-
-        def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            if not module.training or self.ctx.planning:  # evaluation, or our own forwards
-                return None
-            # A training forward builds no KV cache: asked for by the config's default, each
-            # checkpointed layer would drop it with transformers' "Caching is incompatible with
-            # gradient checkpointing" warning, though the user enabled no checkpointing.
-            config = getattr(module, "config", None)  # none on a plain PyTorch model
-            if kwargs.get("use_cache") is None and getattr(config, "use_cache", False):
-                kwargs["use_cache"] = False
-            batch = call_batch(module, args, kwargs)
-            self.oom.check()
-            if any(getattr(p.quant_state, "packing_format_for_cpu", False) for p in quantized):
-                check_trainable(self.model)  # bitsandbytes' inference repack: no backward
-            if self.config.autocast is None and not self.fixed:
-                self.planner.follow_autocast()
-            with own_eager_runs():
-                if self.current is None or not self.active:
-                    self.setup(batch, forward=True)
-                else:
-                    self.use(self.plan(batch))
-            self.derived_check.step_uses(self.current, self.device)
-            head = self.handle.head if self.handle is not None else None
-            if head is not None:  # installed in this hook: torch will not call its pre-hook now
-                head.arm(module, kwargs)
-            return args, kwargs
-
-        # Under torch.compile the hook runs eagerly (a graph break before the model): planning
-        # profiles, solves and patches, none of which a compiled graph may trace.
-        self._hook = self.model.register_forward_pre_hook(
-            torch.compiler.disable(before_forward), with_kwargs=True
-        )
+        self._hook = install_planning_hook(self)
 
     # ------------------------------------------------------------------ steps
     def on_step_begin(self, step: int) -> None:
@@ -385,10 +331,6 @@ class AdaccSession:
         """
         return self.oom.out_of_memory(message)
 
-    def check_oom(self) -> None:
-        """An out-of-memory error raised since the last check grows the device reserve."""
-        self.oom.check()
-
     def run_step(
         self, run: Callable[[Any], Any], batches: Iterable[Any] | Mapping[str, Any]
     ) -> list[Any]:
@@ -446,11 +388,3 @@ class AdaccSession:
             "config": asdict(self.config),
             "step": self.step,
         }
-
-    def restore_schedule(self, state: dict[str, Any]) -> None:
-        """Continue a saved tracking schedule (resume).
-
-        Args:
-            state: the ``"schedule"`` entry of a saved `state_dict`.
-        """
-        self.rectifier.schedule = TrackingSchedule.from_state_dict(state)

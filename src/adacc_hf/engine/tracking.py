@@ -50,6 +50,14 @@ class Rectifier:
         self.schedule = TrackingSchedule(ctx.config.max_tracking_interval)
         self.tracker: OutlierTracker | None = None
 
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue a saved tracking schedule (a resumed run).
+
+        Args:
+            state: the ``"schedule"`` entry of a saved `AdaccSession.state_dict`.
+        """
+        self.schedule = TrackingSchedule.from_state_dict(state)
+
     def arm(self, step: int) -> OutlierTracker | None:
         """Before optimizer step `step`: the tracker its forwards feed, on a tracking step."""
         plan, ctx = self.planner.current, self.ctx

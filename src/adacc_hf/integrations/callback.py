@@ -122,7 +122,7 @@ class AdaccCallback(TrainerCallback):
             policy = Policy.load(args.adacc_policy)
         reserve = 0
         if self.session is not None:  # a second train(): auto_find_batch_size after an error
-            self.session.check_oom()
+            self.session.oom.check()
             reserve = self.session.oom_reserve_nbytes
             self.session.close()
         config = run_config(self._config(args), args)
@@ -172,7 +172,7 @@ class AdaccCallback(TrainerCallback):
         if saved is not None:
             self.session.reuse_profiles(*saved)
         if sched:
-            self.session.restore_schedule(sched)
+            self.session.rectifier.restore(sched)
         self.session.ctx.loader_ahead = batches_fetched_ahead(loader)  # alive beside each step's
         self.session.oom_reserve_nbytes = reserve  # what the device showed it does not hold
         self.session.attach()
