@@ -108,9 +108,9 @@ class AdaccSession:
         self.batch_choice: Any = None  # `autobatch.BatchChoice`
 
     # ------------------------------------------------------------ what callers read
-    model = property(lambda self: self.ctx.model)
-    config = property(lambda self: self.ctx.config)
-    coordinator = property(lambda self: self.ctx.coordinator)
+    model = _OnContext("The (unwrapped) model the session plans for.")
+    config = _OnContext("The session's options (`AdaccConfig`).")
+    coordinator = _OnContext("Who decides across ranks (set: another decides from now on).")
     device = property(lambda self: self.ctx.device)
     derived_check = property(lambda self: self.ctx.derived_check)
     events = property(lambda self: self.ctx.events)
