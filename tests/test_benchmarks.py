@@ -407,6 +407,7 @@ def test_first_gpu_check_smoke_runs_every_section_and_the_budget_holds(tmp_path)
     assert (tmp_path / "first-smoke.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # 20-35 s: the GPU check rehearsed with --smoke (make test-all before a GPU run)
 def test_codecs_gpu_check_fits_six_minutes_and_its_smoke_runs_every_section(tmp_path):
     """``gpu_suite.py --part codecs --smoke``: the driver on CPU, tiny (Triton interpreted): every
     backend of each codec it runs gives the reference's bits, and the plan section reports the
@@ -439,6 +440,7 @@ def test_codecs_gpu_check_fits_six_minutes_and_its_smoke_runs_every_section(tmp_
     assert plan["strategies"]["adacc"]["tokens_per_s"] > 0 and "grad_error_vs_hf_full" in plan
 
 
+@pytest.mark.slow  # 20-35 s: the GPU check rehearsed with --smoke (make test-all before a GPU run)
 def test_budget_gpu_check_runs_each_case_in_a_process_of_its_own_under_its_allocator(tmp_path):
     """``gpu_suite.py --part budget --smoke``: the driver on CPU, tiny, no CUDA call: every case
     is a process of its own with its allocator's variable set (and the other's not); on a CPU
