@@ -4,7 +4,7 @@ plan. Evaluation forwards and the session's own (profiling, measuring) pass unto
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,14 +13,12 @@ from ..adapters.forward import call_batch
 from ..runtime.checkpoint import own_eager_runs
 from ..runtime.quantized import check_trainable
 
-if TYPE_CHECKING:
-    from .session import AdaccSession
-
 __all__ = ["install_planning_hook"]
 
 
-def install_planning_hook(session: AdaccSession) -> Any:
-    """Register `session`'s planning hook on its model; returns torch's removable handle."""
+def install_planning_hook(session: Any) -> Any:
+    """Register the planning hook of `session` (an `AdaccSession`, which imports this module) on
+    its model; returns torch's removable handle."""
     model = session.model
     quantized = [p for p in model.parameters() if hasattr(p, "quant_state")]
 
