@@ -48,3 +48,15 @@ def metered(
     """A `DeviceMeter` over the block, starting from the bytes `model` holds now."""
     with DeviceMeter(capacity, baseline=live_state_nbytes(model), inflate=inflate) as meter:
         yield meter
+
+
+def train_metered(trainer, model, callback) -> tuple[list[int], list[int]]:
+    """Train `trainer` with each optimizer step's peak metered (`StepMeter`) beside what its plan
+    predicted (`Predicted`, from `callback`'s session, closed after); returns both lists."""
+    with metered(model) as meter:
+        steps, predicted = StepMeter(meter), Predicted(callback)
+        trainer.add_callback(steps)
+        trainer.add_callback(predicted)
+        trainer.train()
+    callback.session.close()
+    return steps.peaks, predicted.peaks

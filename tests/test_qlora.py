@@ -20,9 +20,10 @@ import dataclasses
 from collections.abc import Callable
 
 import pytest
+import step_meter
 import torch
 from conftest import step
-from step_meter import Predicted, StepMeter, metered
+from step_meter import metered
 from transformers import Trainer, TrainingArguments
 
 from adacc_hf import (
@@ -221,14 +222,9 @@ def check_steps(measured: list[int], predicted: list[int], budget: int) -> None:
 
 
 def train_metered(trainer, model, callback) -> tuple[list[int], list[int]]:
-    with metered(model) as meter:
-        steps, predicted = StepMeter(meter), Predicted(callback)
-        trainer.add_callback(steps)
-        trainer.add_callback(predicted)
-        trainer.train()
-    callback.session.close()
+    peaks = step_meter.train_metered(trainer, model, callback)
     assert not repacked_for_inference(model)  # profiling ran no eval-mode forward
-    return steps.peaks, predicted.peaks
+    return peaks
 
 
 @pytest.mark.slow  # 100-200 s each on the shared 2-core machine (two buckets profiled)

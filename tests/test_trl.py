@@ -195,7 +195,7 @@ def test_sft_trainer_steps_count_the_batch_the_loader_fetches_ahead(tmp_path):
     (`StaticMemory.batches_ahead`). Rows are cut to max_length: every batch is its bucket's edge
     and the plan has no padding to spare. Without the batch ahead (12 KB here) steps 2 and 3
     measured 2 KB over their prediction (7 KB over the budget where the plan filled it)."""
-    from step_meter import Predicted, StepMeter, metered
+    from step_meter import train_metered
 
     from adacc_hf.runtime.peak import batch_nbytes
 
@@ -219,16 +219,11 @@ def test_sft_trainer_steps_count_the_batch_the_loader_fetches_ahead(tmp_path):
     assert first["input_ids"].shape == (rows, length)  # at the bucket's edge
     budget = budget_for(model, trainer, (rows, length, 1))
     callback.config = dataclasses.replace(callback.config, budget=budget)
-    with metered(model) as meter:
-        steps, predicted = StepMeter(meter), Predicted(callback)
-        trainer.add_callback(steps)
-        trainer.add_callback(predicted)
-        trainer.train()
-    callback.session.close()
-    pairs = list(zip(steps.peaks, predicted.peaks, strict=True))
+    measured, planned = train_metered(trainer, model, callback)
+    pairs = list(zip(measured, planned, strict=True))
     print(f"budget {budget}: measured, predicted {pairs}")
     assert len(pairs) == args.max_steps
-    assert max(steps.peaks) <= budget, (budget, pairs)
+    assert max(measured) <= budget, (budget, pairs)
     # The meter sees neither the generator state a checkpoint stashes (5 KB per checkpointed
     # block, made outside torch's dispatcher) nor an op's inner temporaries; the prediction
     # counts both, so it bounds what the meter reads.
