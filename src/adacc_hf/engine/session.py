@@ -209,12 +209,14 @@ class AdaccSession:
             UnsupportedModelError: a plain model's blocks or loss do not run as named.
         """
         ctx = self.ctx
-        with ctx.own_forwards():  # a plain model's blocks and loss, before any profiling
-            check_forward(ctx.model, batch)
+        plain = plain_model(ctx.model) is not None
+        if plain:
+            with ctx.own_forwards():  # its blocks and loss, checked before any profiling
+                check_forward(ctx.model, batch)
         if ctx.autocast is None:
             ctx.autocast = detect_autocast(ctx.device, ctx.model if forward else None)
         use_expandable_segments(ctx.config.expandable_segments)
-        if ctx.config.max_seq_len and not self.fixed and plain_model(ctx.model) is None:
+        if ctx.config.max_seq_len and not self.fixed and not plain:
             key = self.key_of(batch)
             longest = (key[0], *(max(k, ctx.config.max_seq_len) for k in key[1:-1]), key[-1])
             self.plan(batch, longest)

@@ -28,7 +28,7 @@ the solver then checks the whole step's peak of each candidate and adjusts the c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..codecs import dtype_named, get_codec
 from ..errors import PolicyError
@@ -373,8 +373,9 @@ def variant_load(
         link = _link_of(profile, name)
         t += [copy_ms(link, c) for c in copies] + [exposed_ms(link, g, parked)]
     inp = g.input_nbytes if v.offload_input else 0
-    load = BlockLoad(name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key, rng, parked)
-    load = replace(load, modes=modes, input_parked=inp)
+    load = BlockLoad(
+        name, b, True, kept, kept_saved, kept_shared, enc_ws, dec_ws, key, rng, parked, modes, inp
+    )
     return load, t, unprofiled
 
 
