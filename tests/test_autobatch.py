@@ -91,10 +91,11 @@ def test_auto_micro_batch_fits_and_the_next_larger_does_not_or_is_slower(family,
     _check(model, sample, other, loose, opt, measured)
 
 
+@pytest.mark.slow  # tests/test_entry_point_parity.py runs the micro-batch in every entry point
 def test_adacc_trainer_picks_the_micro_batch_and_keeps_the_global_batch(tmp_path):
-    from transformers import Trainer
+    from transformers import Trainer, TrainingArguments
 
-    from adacc_hf import AdaccError, AdaccTrainer, AdaccTrainingArguments
+    from adacc_hf import AdaccCallback, AdaccError, AdaccTrainer, AdaccTrainingArguments
 
     model = assets.tiny_model("gpt2")
     sample = assets.tiny_batch("gpt2", model, batch_size=GLOBAL, seq_len=48)
@@ -126,8 +127,19 @@ def test_adacc_trainer_picks_the_micro_batch_and_keeps_the_global_batch(tmp_path
     assert a.per_device_train_batch_size * a.gradient_accumulation_steps == GLOBAL
     logged = [h for h in trainer.state.log_history if "adacc/micro_batch" in h]
     assert logged and logged[0]["adacc/micro_batch"] == a.per_device_train_batch_size
-    # A plain Trainer builds its data loader before any callback runs: a clear error.
-    with pytest.raises(AdaccError, match="AdaccTrainer"):
-        Trainer(
-            model=assets.tiny_model("gpt2"), args=args(), train_dataset=Rows(sample, repeat=1)
-        ).train()
+    # A callback added after the Trainer was made comes after its data loader: a clear error,
+    # before any profiling.
+    late = Trainer(
+        model=assets.tiny_model("gpt2"),
+        args=TrainingArguments(
+            output_dir=str(tmp_path / "late"),
+            per_device_train_batch_size=GLOBAL,
+            max_steps=1,
+            report_to="none",
+            use_cpu=True,
+        ),
+        train_dataset=Rows(sample, repeat=1),
+    )
+    late.add_callback(AdaccCallback(budget=budget, auto_batch_size=True))
+    with pytest.raises(AdaccError, match="when the Trainer is made"):
+        late.train()

@@ -124,9 +124,12 @@ def test_a_plan_that_under_predicts_is_replanned_and_the_step_rerun_exactly(
 
 
 @pytest.mark.slow
-def test_the_plain_trainer_with_auto_find_batch_size_replans_after_an_error(tmp_path, caplog):
-    """A plain Trainer cannot retry a step itself; with ``auto_find_batch_size`` accelerate
-    retries at half the batch, and the callback plans it with what the device showed kept free."""
+def test_the_plain_trainer_with_auto_find_batch_size_keeps_its_batch_after_an_error(
+    tmp_path, caplog
+):
+    """With ``auto_find_batch_size`` accelerate would halve the batch after an error; the step is
+    re-planned and run again first (the callback wires the retry into any Trainer), so the batch
+    is kept."""
     model = _gpt2()
     budget = mixed_budget(model, _batch(model), fraction=0.6)
     with caplog.at_level(logging.WARNING, logger="adacc_hf"):
@@ -140,7 +143,7 @@ def test_the_plain_trainer_with_auto_find_batch_size_replans_after_an_error(tmp_
         )
     assert dev.ooms >= 1
     assert trainer.state.global_step == 3 and len(losses) == 3
-    assert trainer._train_batch_size == 2, "accelerate halves the batch once"
+    assert trainer._train_batch_size == 4, "the retry kept the batch: accelerate never halved it"
     assert "re-planned" in caplog.text
     assert "recomputed" not in caplog.text  # a forward cut short builds no slot table
 

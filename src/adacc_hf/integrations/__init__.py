@@ -2,7 +2,8 @@
 
 Modules: `prepare` (custom loops, Accelerate), `callback` (any Trainer, TRL's included),
 `arguments` (`--adacc...` options), `trainer` (`AdaccTrainer`), `run_facts` (what adacc reads off a
-Trainer's arguments), `retry` (a Trainer's steps re-run after out of memory), `sharding`
+Trainer's arguments), `wiring` (what the callback wires into its Trainer: resume, automatic
+micro-batch, out-of-memory retry, events as metrics, artifacts and card), `sharding`
 (per-device static memory of sharded runs), `card` (artifacts on disk, model card, config entry).
 """
 

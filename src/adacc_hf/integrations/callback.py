@@ -19,7 +19,6 @@ from ..errors import AdaccError
 from ..policy import Policy
 from ..schema import Profile
 from .card import read_artifacts, write_artifacts
-from .retry import find_trainer, wrap_trainer
 from .run_facts import (
     batches_fetched_ahead,
     checkpointing_by_default,
@@ -30,6 +29,7 @@ from .run_facts import (
     run_config,
     switch_off_own_checkpointing,
 )
+from .wiring import attach, find_trainer
 
 logger = logging.getLogger("adacc_hf")
 
@@ -72,8 +72,8 @@ class AdaccCallback(TrainerCallback):
         self.config = AdaccConfig(**options) if options else config
         self.policy = Policy.load(policy) if isinstance(policy, str) else policy
         self.session: AdaccSession | None = None
-        self.resume_dir: str | None = None  # set by AdaccTrainer; else found from the state
-        self.batch_choice: Any = None  # `autobatch.BatchChoice`, set by AdaccTrainer
+        self.resume_dir: str | None = None  # set by the trainer's `train`; else from the state
+        self.batch_choice: Any = None  # `autobatch.BatchChoice`, set by the trainer's `train`
 
     def _config(self, args: TrainingArguments) -> AdaccConfig:
         if self.config is not None:
@@ -99,6 +99,9 @@ class AdaccCallback(TrainerCallback):
         # Before `train()` enables anything: only TRL's input-gradient hooks on a PEFT model exist.
         peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
         self._take_over(args, model, peft_hooks=peft)
+        trainer = find_trainer()  # the Trainer being built: every feature wired in (`wiring`)
+        if trainer is not None:
+            attach(trainer, self)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
@@ -139,8 +142,9 @@ class AdaccCallback(TrainerCallback):
         choice = self.batch_choice
         if config.auto_batch_size and choice is None and policy is None:
             raise AdaccError(
-                "adacc auto_batch_size needs AdaccTrainer: a plain Trainer builds its data loader "
-                "before callbacks run, so the micro-batch cannot change there"
+                "adacc auto_batch_size plans the micro-batch before the Trainer builds its data "
+                "loader: give the callback when the Trainer is made (callbacks=[AdaccCallback("
+                "...)] or AdaccTrainingArguments), not through add_callback afterwards"
             )
         loader = kwargs.get("train_dataloader")
         if config.max_seq_len is None:
@@ -153,7 +157,7 @@ class AdaccCallback(TrainerCallback):
         if config.profile_from is None:  # an earlier run of this one saved its profiles here
             found = ((read_profiles(d, strict=False), d) for d in (resume, args.output_dir) if d)
             saved = next(((p, d) for p, d in found if p), None)
-        if choice is not None and policy is None:  # AdaccTrainer's automatic micro-batch
+        if choice is not None and policy is None:  # the automatic micro-batch (`wiring`)
             policy, profile = choice.policy, choice.profile
         self.session = AdaccSession(
             model,
@@ -176,9 +180,9 @@ class AdaccCallback(TrainerCallback):
         self.session.ctx.loader_ahead = batches_fetched_ahead(loader)  # alive beside each step's
         self.session.oom_reserve_nbytes = reserve  # what the device showed it does not hold
         self.session.attach()
-        trainer = find_trainer()  # an out-of-memory step is re-planned and re-run (`retry`)
+        trainer = find_trainer()  # an out-of-memory step is re-planned and re-run (`wiring`)
         if trainer is not None:
-            wrap_trainer(trainer, lambda: self.session, getattr(trainer, "_log_adacc_events", None))
+            attach(trainer, self)  # a callback added after the Trainer was made
         else:
             logger.info("adacc: no Trainer found above the callback: out-of-memory steps raise")
 
