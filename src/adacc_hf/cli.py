@@ -251,6 +251,9 @@ def plan_on_device(args: argparse.Namespace) -> int:
     if args.out:
         p.policy.save(args.out)
         print(f"policy written to {args.out}")
+    if args.profile_out and p.profile is not None:
+        with open(args.profile_out, "w") as f:
+            f.write(p.profile.to_json())
     return 0
 
 

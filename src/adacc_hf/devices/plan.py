@@ -106,6 +106,7 @@ def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
 def _step(model: nn.Module, batch: Mapping[str, Any], opt: torch.optim.Optimizer) -> None:
     out = model(**batch)
     loss = out["loss"] if isinstance(out, Mapping) else out[0]
+    del out  # the logits go before backward, as a Trainer's step drops them
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

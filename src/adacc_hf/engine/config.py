@@ -97,10 +97,14 @@ class AdaccConfig:
             routing), 0 where it is (`solver.headroom`).
         auto_batch_size: pick the micro-batch (and accumulation, keeping the global batch) with
             the best predicted tokens/s under the budget (`autobatch.choose_micro_batch`):
-            `prepare` and `AdaccTrainer`.
+            `prepare` and every Trainer entry point.
         expandable_segments: CUDA: turn on the caching allocator's expandable segments where the
             user has not configured it (`runtime.allocator`): reserved memory then stays close
             to what is allocated.
+        allocator: the caching allocator each plan's reserved peak is fitted to before its step
+            runs (its step run dry on a host mirror of the model, `engine.reserved`): ``"auto"``
+            (CUDA's, as configured; none elsewhere), ``"expandable"`` or ``"default"`` (modelled
+            on any device), ``"off"`` (the guard alone re-plans after a step).
         profile_from: saved profiles to plan from where their fingerprint is this run's
             (`AdaccSession.reuse_profiles`): an ``adacc_profiles.json`` / ``adacc_profile.json``
             or a directory holding one. None: nothing in a custom loop, the output directory (or
@@ -150,6 +154,7 @@ class AdaccConfig:
     headroom: float | None = None
     auto_batch_size: bool = False
     expandable_segments: bool = True
+    allocator: str = "auto"
     profile_from: str | None = None
     offload: bool | None = None
     offload_host_cap: int | str | None = None
@@ -185,6 +190,10 @@ class AdaccConfig:
                     f"codec_backends: unknown {unknown or 'empty list'}; use some of "
                     f"{', '.join(BACKENDS)} (or None: all on CUDA)"
                 )
+        if self.allocator not in ("auto", "expandable", "default", "off"):
+            raise AdaccError(
+                f"allocator must be 'auto', 'expandable', 'default' or 'off', not {self.allocator!r}"
+            )
         if self.head not in ("auto", *HEADS):
             raise AdaccError(f"head must be 'auto' or one of {list(HEADS)}, not {self.head!r}")
         if self.max_tracking_interval < 1:

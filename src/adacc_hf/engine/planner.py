@@ -28,6 +28,7 @@ from .context import SessionContext
 from .guard import ReservedGuard
 from .plans import AdaccEvent, Plan
 from .profiles import ProfileStore, serves
+from .reserved import ReservedFit
 from .shapes import ShapeKey, exact_key, key_text, shape_key
 from .solving import BucketSolver
 
@@ -58,6 +59,7 @@ class Planner:
         profile: Profile | None = None,
     ) -> None:
         self.ctx, self.store, self.solver, self.guard = ctx, store, solver, guard
+        self.reserved = ReservedFit(ctx, solver)  # plans fitted to the allocator's reserved peak
         self.plans: dict[ShapeKey | None, Plan] = {}
         self.current: Plan | None = None  # the plan the model runs
         self.fixed = policy is not None and profile is None  # a user's policy, for every shape
@@ -109,6 +111,9 @@ class Planner:
         try:
             sample = ctx.padded(batch, key) if probes else None  # the profiled batch
             policy = self.solver.solve_measured(profile, probes, reserve, room, sample)
+            policy, reserve = self.reserved.fit(
+                policy, profile, ctx.padded(batch, key), reserve, room
+            )
         except BudgetError as e:
             if self.current is None:  # the run's first plans: fail before any work is lost
                 raise

@@ -92,12 +92,14 @@ class AdaccTrainingArguments(TrainingArguments):
             it; else each bucket is planned when its first batch comes).
         adacc_auto_batch_size: pick the micro-batch with the best predicted tokens/s whose step
             fits the budget, keeping the global batch (``per_device_train_batch_size`` x
-            ``gradient_accumulation_steps``) by adjusting accumulation. Needs `AdaccTrainer` (it
-            plans before the data loader is built).
+            ``gradient_accumulation_steps``) by adjusting accumulation (planned in the Trainer's
+            ``train`` before the data loader is built: `wiring`).
         adacc_expandable_segments: on CUDA, turn on the allocator's expandable segments unless
             ``PYTORCH_CUDA_ALLOC_CONF`` is set: without them a step reserves well above what it
             allocates (1.4 GiB over a 6 GiB step measured on an H100), and CUDA runs out when
             reserved memory does.
+        adacc_allocator: the caching allocator each plan's reserved peak is fitted to before
+            its step runs: ``auto`` (CUDA's, as configured), ``expandable``, ``default``, ``off``.
 
     Raises:
         AdaccError: with ``adacc=True``: an option Adacc cannot take (a malformed budget, a
@@ -218,8 +220,7 @@ class AdaccTrainingArguments(TrainingArguments):
         metadata=_help(
             "Pick the micro-batch with the best predicted tokens/s whose step fits the budget, "
             "keeping the global batch (per_device_train_batch_size x gradient_accumulation_steps) "
-            "by adjusting accumulation. Needs AdaccTrainer (it plans before the data loader is "
-            "built)."
+            "by adjusting accumulation (planned before the Trainer builds its data loader)."
         ),
     )
 
@@ -229,6 +230,15 @@ class AdaccTrainingArguments(TrainingArguments):
             "On CUDA, turn on the allocator's expandable segments unless PYTORCH_CUDA_ALLOC_CONF "
             "is set: without them a step reserves well above what it allocates (1.4 GiB over a "
             "6 GiB step measured on an H100), and CUDA runs out when reserved memory does."
+        ),
+    )
+
+    adacc_allocator: str = field(
+        default="auto",
+        metadata=_help(
+            "The caching allocator each plan's reserved peak is fitted to before its step runs "
+            "(its step run dry on a host mirror of the model): auto (CUDA's, as configured; none "
+            "elsewhere), expandable, default, off (the guard alone re-plans after a step)."
         ),
     )
 
@@ -312,6 +322,7 @@ class AdaccTrainingArguments(TrainingArguments):
             offload_host_cap=self.adacc_offload_host_cap,
             auto_batch_size=self.adacc_auto_batch_size,
             expandable_segments=self.adacc_expandable_segments,
+            allocator=self.adacc_allocator,
             profile_from=self.adacc_profile,
             # --torch_compile: the Trainer compiles the model whole (Accelerate), adacc profiles
             # its blocks and head compiled with the same backend and plans without offload

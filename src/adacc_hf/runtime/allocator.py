@@ -30,6 +30,7 @@ __all__ = [
     "allocator_configured",
     "at_import",
     "expandable_action",
+    "expandable_now",
     "reserved_nbytes",
     "use_expandable_segments",
 ]
@@ -149,6 +150,13 @@ def use_expandable_segments(enabled: bool = True) -> bool:
             ENV_VAR,
         )
     return True
+
+
+def expandable_now() -> bool:
+    """Whether CUDA's allocator makes expandable segments now (this library's switch, or the
+    user's own ``expandable_segments:True``)."""
+    own = (allocator_configured() or "").replace(" ", "").lower()
+    return _on or "expandable_segments:true" in own
 
 
 def reserved_nbytes(device: torch.device) -> int | None:
