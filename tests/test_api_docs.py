@@ -172,3 +172,19 @@ def test_help_reads_as_a_reference():
     assert text.splitlines()[0].startswith("Adacc for custom loops")
     for section in ("Args:", "Returns:", "Raises:"):
         assert f"\n{section}\n" in text
+
+
+def test_the_typed_keywords_are_the_config_fields():
+    """`prepare(**config)` and `AdaccCallback(**options)` are typed by `engine.options`: its keys
+    are `AdaccConfig`'s fields, one name each (prepare names four of them itself)."""
+    import dataclasses
+    import inspect
+
+    from adacc_hf import AdaccConfig, prepare
+    from adacc_hf.engine.options import AdaccOptions, SessionOptions
+
+    fields = {f.name for f in dataclasses.fields(AdaccConfig)}
+    assert set(AdaccOptions.__optional_keys__) == fields
+    own = set(inspect.signature(prepare).parameters) & fields
+    assert own == {"budget", "codecs", "adaptive", "auto_batch_size"}
+    assert set(SessionOptions.__optional_keys__) == fields - own

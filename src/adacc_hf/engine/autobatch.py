@@ -42,7 +42,7 @@ from .config import AdaccConfig, detect_autocast
 from .oom import first_line, release
 from .plans import AdaccEvent
 from .session import AdaccSession
-from .shapes import ShapeKey, padded, row_tokens
+from .shapes import ShapeKey, row_tokens
 
 logger = logging.getLogger("adacc_hf")
 
@@ -205,7 +205,6 @@ def choose_micro_batch(
     model.train()
     device = next(model.parameters()).device
     autocast = config.autocast or detect_autocast(device)
-    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
     profiles = profiles if profiles is not None else {}
     static = None
     planned: list[tuple[Candidate, Policy, Profile, ShapeKey, dict[str, Any], Policy]] = []
@@ -220,14 +219,13 @@ def choose_micro_batch(
         session = AdaccSession(model, cfg, profiles=profiles)
         session.autocast = autocast
         session.static = static
-        batch = rows(sample_batch, mb)
-        key = session.key_of(batch)
-        if config.max_seq_len:  # the run's longest batch, as `AdaccSession.setup` plans it
-            key = (key[0], *(max(k, config.max_seq_len) for k in key[1:-1]), key[-1])
-        batch = padded(batch, key, pad if isinstance(pad, int) else None)
+        planner, batch = session.planner, rows(sample_batch, mb)
+        # the run's longest batch, as `AdaccSession.setup` plans it
+        key = planner.longest_key(batch) or planner.key_of(batch)
+        batch = session.ctx.padded(batch, key)
         oom = None
         try:
-            plan = session.plan(batch, key)
+            plan = planner.plan(batch, key)
         except BudgetError as e:
             cand.note = f"no policy fits: {str(e).split(':')[0]}"
             break

@@ -80,6 +80,30 @@ class Planner:
         key = shape_key(batch, encoder_decoder, ctx.config.max_seq_len)
         return ctx.coordinator.agree(key)
 
+    def step_ended(self, step: int, guard: bool) -> None:
+        """After optimizer step `step`: plans whose interpolated memory the step disproved are
+        measured in full (`guard.DerivedCheck`); with `guard`, the plan that ran is re-planned
+        where CUDA reserved past the budget (`guard.ReservedGuard`, its event logged)."""
+        ctx = self.ctx
+        for plan in ctx.derived_check.step_ended(ctx.device, ctx.coordinator.agree):
+            self.measure_in_full(plan)
+        if guard:
+            event = self.guard.check(
+                self.current, ctx.budget_nbytes, ctx.device, step, ctx.coordinator.agree
+            )
+            if event is not None:
+                ctx.events.append(event)
+
+    def longest_key(self, batch: Mapping[str, Any]) -> ShapeKey | None:
+        """`batch`'s bucket stretched to the run's longest sequence (``max_seq_len``), planned up
+        front so a budget too small for it fails at once; None where nothing is stretched (no
+        ``max_seq_len``, a fixed policy, a plain model's exact shapes)."""
+        ctx = self.ctx
+        if not ctx.config.max_seq_len or self.fixed or plain_model(ctx.model) is not None:
+            return None
+        key = self.key_of(batch)
+        return (key[0], *(max(k, ctx.config.max_seq_len) for k in key[1:-1]), key[-1])
+
     def plan(self, batch: Mapping[str, Any], key: ShapeKey | None = None) -> Plan:
         """The plan of `batch`'s bucket: profiled (on `batch` padded to the bucket's edge) and
         solved the first time, re-solved when the rectifier moved its codec statistics."""

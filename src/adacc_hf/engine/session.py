@@ -216,11 +216,10 @@ class AdaccSession:
         if ctx.autocast is None:
             ctx.autocast = detect_autocast(ctx.device, ctx.model if forward else None)
         use_expandable_segments(ctx.config.expandable_segments)
-        if ctx.config.max_seq_len and not self.fixed and not plain:
-            key = self.key_of(batch)
-            longest = (key[0], *(max(k, ctx.config.max_seq_len) for k in key[1:-1]), key[-1])
-            self.plan(batch, longest)
-        self.use(self.plan(batch))
+        longest = self.planner.longest_key(batch)
+        if longest is not None:
+            self.planner.plan(batch, longest)
+        self.use(self.planner.plan(batch))
         return self.policy
 
     def use(self, plan: Plan) -> None:
@@ -284,15 +283,7 @@ class AdaccSession:
         Returns:
             The tracking step's event (a switch when the policy changed), or None on other steps.
         """
-        ctx = self.ctx
-        for plan in ctx.derived_check.step_ended(ctx.device, ctx.coordinator.agree):
-            self.planner.measure_in_full(plan)
-        if self.active and not self.fixed:
-            guarded = self.guard.check(
-                self.current, ctx.budget_nbytes, ctx.device, step, ctx.coordinator.agree
-            )
-            if guarded is not None:
-                ctx.events.append(guarded)
+        self.planner.step_ended(step, guard=self.active and not self.fixed)
         tracker, self.rectifier.tracker = self.rectifier.tracker, None
         if tracker is None or not self.active:
             return None
@@ -300,7 +291,7 @@ class AdaccSession:
         event, new_policy = self.rectifier.decide(step, tracker)
         if new_policy is not None:
             self.apply(new_policy)
-        ctx.events.append(event)
+        self.ctx.events.append(event)
         return event
 
     def step_done(self, step: int) -> AdaccEvent | None:

@@ -10,9 +10,11 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from typing_extensions import Unpack
 
 from ..adapters import unwrap_model
 from ..engine.config import AdaccConfig
+from ..engine.options import AdaccOptions
 from ..engine.saved import read_profiles
 from ..engine.session import AdaccSession
 from ..errors import AdaccError
@@ -65,7 +67,7 @@ class AdaccCallback(TrainerCallback):
         config: AdaccConfig | None = None,
         *,
         policy: Policy | str | None = None,
-        **options: Any,
+        **options: Unpack[AdaccOptions],
     ) -> None:
         if config is not None and options:
             raise AdaccError("give AdaccCallback either a config or options, not both")

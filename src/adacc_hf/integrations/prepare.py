@@ -7,10 +7,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from ..adapters import plain
 from ..engine.autobatch import choose_micro_batch, rows
 from ..engine.config import AdaccConfig
+from ..engine.options import SessionOptions
 from ..engine.session import AdaccSession
 from ..errors import AdaccError
 from ..policy import Policy
@@ -32,7 +34,7 @@ def prepare(
     global_batch: int | None = None,
     blocks: plain.BlocksSpec | None = None,
     loss: plain.LossFn | None = None,
-    **config: Any,
+    **config: Unpack[SessionOptions],
 ) -> AdaccSession:
     """Adacc for custom loops and Accelerate: profile, solve and patch `model`.
 
@@ -76,9 +78,10 @@ def prepare(
             `GradientCheckpointingLayer` blocks.
         loss: ``loss(output, batch) -> scalar tensor`` when the model returns no loss (e.g.
             ``lambda out, batch: F.cross_entropy(out, batch["labels"])``).
-        **config: any other `AdaccConfig` field (``optimizer=`` the loop's optimizer or its
-            name, ``mixed_precision=``, ``max_seq_len=``, ``headroom=``, ...;
-            ``help(adacc_hf.AdaccConfig)`` lists them).
+        **config: any other `AdaccConfig` field by name (typed: `engine.options.SessionOptions`;
+            ``optimizer=`` the loop's optimizer or its name, ``mixed_precision=``,
+            ``max_seq_len=``, ``headroom=``, ...; ``help(adacc_hf.AdaccConfig)`` says what each
+            does).
 
     Returns:
         The `AdaccSession` (``session.step_done(step)`` after each optimizer step,
