@@ -134,7 +134,7 @@ def main() -> None:
     targs = AdaccTrainingArguments(
         output_dir=args.output_dir,
         adacc=True,
-        adacc_memory_budget=budget,
+        adacc_budget=budget,
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,

@@ -5,7 +5,7 @@ with `AdaccTrainingArguments`, fine-tuning SmolLM2-135M (offline, from the `llm-
 or a tiny random-init model on Shakespeare. The engine comes from the Accelerate config file:
 
     accelerate launch --config_file recipes/ddp.yaml recipes/train.py \\
-        --output_dir runs/ddp --adacc --adacc_memory_budget 20GiB --max_steps 200
+        --output_dir runs/ddp --adacc --adacc_budget 20GiB --max_steps 200
 
 Every rank profiles the first batch; rank 0 solves the per-op policy for the per-device budget and
 broadcasts it, so all ranks run (and later switch to) the same policy. Each rank writes

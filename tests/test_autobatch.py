@@ -107,7 +107,7 @@ def test_adacc_trainer_picks_the_micro_batch_and_keeps_the_global_batch(tmp_path
         return AdaccTrainingArguments(
             output_dir=str(tmp_path / "out"),
             adacc=True,
-            adacc_memory_budget=str(budget),
+            adacc_budget=str(budget),
             adacc_auto_batch_size=True,
             adacc_adaptive=False,
             per_device_train_batch_size=GLOBAL,

@@ -462,7 +462,7 @@ def test_trainer_ddp_recipe_with_adacc_matches_a_single_process_run(tmp_path):
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     cmd = _accelerate("--config_file", str(RECIPES / "ddp.yaml"), "--num_processes", "2")
     budget = str(_budget(dropout=0.0))
-    adacc = ["--adacc", "--adacc_memory_budget", budget, "--adacc_max_codec_error", "0"]
+    adacc = ["--adacc", "--adacc_budget", budget, "--adacc_max_codec_error", "0"]
     rc = _run(
         [*cmd, *_recipe_args(ddp, *common, "--per_device_train_batch_size", "2", *adacc)], ddp
     )
@@ -532,7 +532,7 @@ def test_deepspeed_trainer_with_adacc_matches_the_same_zero_run_without_it(
     n = int(stage[-1])
     budget = str(_budget(zero_stage=n))
     # A policy rank 0 solves on a mixed budget, no lossy codec: same losses as without Adacc.
-    r0, r1 = _deepspeed(stage, tmp_path / "solved", "--adacc", "--adacc_memory_budget", budget,
+    r0, r1 = _deepspeed(stage, tmp_path / "solved", "--adacc", "--adacc_budget", budget,
                         "--adacc_max_codec_error", "0")  # fmt: skip
     assert r0["policy_fingerprint"] == r1["policy_fingerprint"]
     assert r0["sharding"] == {"zero_stage": n, "fsdp": False, "world_size": 2,
@@ -559,7 +559,7 @@ def test_deepspeed_trainer_with_adacc_matches_the_same_zero_run_without_it(
 def test_deepspeed_zero3_offload_recipe_with_adacc(zero_baselines, tmp_path):
     off = zero_baselines("zero3")[0]["losses"]
     budget = str(_budget(zero_stage=3))
-    r0, r1 = _deepspeed("zero3_offload", tmp_path, "--adacc", "--adacc_memory_budget", budget,
+    r0, r1 = _deepspeed("zero3_offload", tmp_path, "--adacc", "--adacc_budget", budget,
                         "--adacc_max_codec_error", "0")  # fmt: skip
     assert r0["policy_fingerprint"] == r1["policy_fingerprint"]
     assert r0["sharding"]["offload_optimizer"] and r0["sharding"]["zero_stage"] == 3

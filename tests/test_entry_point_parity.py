@@ -72,12 +72,10 @@ class Run:
             "profile_repeats": None,
             "adaptive": "adacc_adaptive",
             "auto_batch_size": "adacc_auto_batch_size",
-            "profile_from": "adacc_profile",
+            "profile_from": "adacc_profile_from",
         }
         flags = {names[k]: v for k, v in o.items() if names[k] is not None}
-        args_ = AdaccTrainingArguments(
-            adacc=True, adacc_memory_budget=str(self.budget), **flags, **base
-        )
+        args_ = AdaccTrainingArguments(adacc=True, adacc_budget=str(self.budget), **flags, **base)
         cls = AdaccTrainer if self.entry == "adacc_trainer" else Trainer
         return cls(model=model, args=args_, train_dataset=data)
 

@@ -146,7 +146,7 @@ def test_training_arguments_plan_the_longer_batch_within_budget(tmp_path, traine
     model, short, long = tiny()
     budget = long_budget(model, long, "adamw_torch_fused")
     args = AdaccTrainingArguments(
-        output_dir=str(tmp_path), adacc=True, adacc_memory_budget=str(budget), **TRAINER
+        output_dir=str(tmp_path), adacc=True, adacc_budget=str(budget), **TRAINER
     )
     trainer = trainer_class(model=model, args=args, train_dataset=Sequence(short, long))
     peaks = train_metered(trainer, model)
@@ -334,9 +334,9 @@ def test_adacc_options_without_adacc_warn(caplog):
         AdaccTrainingArguments(output_dir="out", use_cpu=True, report_to="none")
         assert not caplog.records
         AdaccTrainingArguments(
-            output_dir="out", use_cpu=True, report_to="none", adacc_memory_budget="20GiB"
+            output_dir="out", use_cpu=True, report_to="none", adacc_budget="20GiB"
         )
-    assert "adacc_memory_budget" in caplog.text and "adacc=True" in caplog.text
+    assert "adacc_budget" in caplog.text and "adacc=True" in caplog.text
 
 
 # ------------------------------------------------------------------ TRL

@@ -167,7 +167,7 @@ def test_auto_micro_batch_on_a_device_smaller_than_the_budget_trains_to_the_end(
     args = AdaccTrainingArguments(
         output_dir=str(tmp_path / "out"),
         adacc=True,
-        adacc_memory_budget=str(budget),
+        adacc_budget=str(budget),
         adacc_auto_batch_size=True,
         adacc_adaptive=False,
         adacc_codecs=["int4_outlier"],

@@ -117,7 +117,7 @@ def test_the_trainer_reuses_what_its_last_run_saved_in_output_dir(tmp_path, capl
 
 def test_a_missing_profile_path_is_an_error_before_any_work():
     with pytest.raises(AdaccError, match="profile_from: no such file"):
-        AdaccTrainingArguments(output_dir="out", adacc=True, adacc_profile="/no/such/dir")
+        AdaccTrainingArguments(output_dir="out", adacc=True, adacc_profile_from="/no/such/dir")
 
 
 def test_unreadable_saved_profiles_are_an_error_where_named_and_skipped_where_looked_for(

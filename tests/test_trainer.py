@@ -37,7 +37,7 @@ def _args(tmp_path, budget, **kw):
     defaults = dict(
         output_dir=str(tmp_path / "out"),
         adacc=True,
-        adacc_memory_budget=str(budget),
+        adacc_budget=str(budget),
         max_steps=6,
         per_device_train_batch_size=2,
         learning_rate=3e-3,
@@ -202,7 +202,7 @@ def test_arguments_from_the_command_line_and_bad_combinations(tmp_path):
             "--output_dir",
             str(tmp_path),
             "--adacc",
-            "--adacc_memory_budget",
+            "--adacc_budget",
             "20GiB",
             "--adacc_codecs",
             "int4_outlier,bitpack",
@@ -211,7 +211,7 @@ def test_arguments_from_the_command_line_and_bad_combinations(tmp_path):
             "--use_cpu",
         ]
     )
-    assert args.adacc and args.adacc_memory_budget == "20GiB"
+    assert args.adacc and args.adacc_budget == "20GiB"
     assert args.adacc_config().codecs == ["int4_outlier", "bitpack"]
     assert args.ddp_find_unused_parameters is False
     # What is logged and saved shows the user's report_to, not the integration's name.
@@ -226,10 +226,8 @@ def test_arguments_from_the_command_line_and_bad_combinations(tmp_path):
     assert listed.adacc_codecs == ["int4_outlier", "bitpack"]
     with pytest.raises(AdaccError, match="replaces activation checkpointing"):
         AdaccTrainingArguments(output_dir=str(tmp_path), adacc=True, gradient_checkpointing=True)
-    with pytest.raises(AdaccError, match="adacc_memory_budget"):
-        AdaccTrainingArguments(
-            output_dir=str(tmp_path), adacc=True, adacc_memory_budget="20 parsecs"
-        )
+    with pytest.raises(AdaccError, match="adacc_budget"):
+        AdaccTrainingArguments(output_dir=str(tmp_path), adacc=True, adacc_budget="20 parsecs")
     with pytest.raises(AdaccError, match="adacc_policy"):
         AdaccTrainingArguments(
             output_dir=str(tmp_path), adacc=True, adacc_policy=str(tmp_path / "missing.json")
@@ -403,3 +401,25 @@ def test_torch_compile_trains_the_solved_policy_compiled(tmp_path):
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     pred = session.policy.metadata["predicted"]["peak_nbytes"]
     assert pred <= budget
+
+
+def test_old_option_names_still_work_with_a_warning_and_every_option_is_named_after_its_field():
+    import dataclasses
+
+    from adacc_hf.engine.config import AdaccConfig
+    from adacc_hf.integrations.arguments import RENAMED
+
+    with pytest.warns(FutureWarning, match="adacc_memory_budget is renamed adacc_budget"):
+        a = AdaccTrainingArguments(
+            output_dir="out", adacc=True, adacc_memory_budget="3GiB", use_cpu=True
+        )
+    assert a.adacc_budget == "3GiB" and a.adacc_config().budget == "3GiB"
+    with pytest.raises(AdaccError, match="give only adacc_budget"):
+        AdaccTrainingArguments(
+            output_dir="out", adacc=True, adacc_budget="2GiB", adacc_memory_budget="3GiB"
+        )
+    # one name per option: adacc_<AdaccConfig field>, or a Trainer argument it comes from
+    config_fields = {f.name for f in dataclasses.fields(AdaccConfig)}
+    for f in dataclasses.fields(AdaccTrainingArguments):
+        if f.name.startswith("adacc_") and f.name not in RENAMED and f.name != "adacc_policy":
+            assert f.name[len("adacc_") :] in config_fields, f.name

@@ -3,7 +3,7 @@
 Public API::
 
     Trainer(..., callbacks=[AdaccCallback(budget="20GiB")])    # any TrainingArguments (TRL too)
-    Trainer(args=AdaccTrainingArguments(..., adacc=True, adacc_memory_budget="20GiB"))
+    Trainer(args=AdaccTrainingArguments(..., adacc=True, adacc_budget="20GiB"))
 
     session = prepare(model, "20GiB", sample_batch)          # custom loops / Accelerate
     profile = profile_model(model, batch); policy = solve_policy(profile, "20GiB")

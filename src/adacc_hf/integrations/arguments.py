@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ logger = logging.getLogger("adacc_hf")
 
 #: The `report_to` name under which `AdaccTrainingArguments(adacc=True)` reaches a plain Trainer.
 INTEGRATION = "adacc"
+#: Old option names (one release): each is its `AdaccConfig` field's name after ``adacc_`` now.
+RENAMED = {"adacc_memory_budget": "adacc_budget", "adacc_profile": "adacc_profile_from"}
 
 
 def _help(text: str) -> dict[str, str]:
@@ -38,8 +41,9 @@ class AdaccTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus Adacc's options (``--adacc ...`` on the command line).
 
     With ``adacc=True`` a plain `Trainer` profiles the first batch, solves the per-op policy for
-    the budget and trains with it (`AdaccCallback`, added through ``report_to``); `AdaccTrainer`
-    adds the policy's log events, model card and automatic micro-batch. Every other argument is
+    the budget and trains with it (`AdaccCallback`, added through ``report_to``, which wires the
+    rest into the Trainer: `wiring`). Every option is named ``adacc_`` + its `AdaccConfig`
+    field's name. Every other argument is
     `TrainingArguments`'. The ``adacc_*`` options become an `AdaccConfig` (`adacc_config`); each
     has the same text as ``help`` for ``--help``. Without ``adacc=True`` they are ignored (with a
     warning). With it, Adacc replaces activation checkpointing: checkpointing that the arguments'
@@ -49,11 +53,11 @@ class AdaccTrainingArguments(TrainingArguments):
     Attributes:
         adacc: train with Adacc: per-op retain / compress / recompute of activations under a
             budget.
-        adacc_memory_budget: device memory budget per GPU: ``"20GiB"``, ``"20GB"``, ``"80%"`` of
+        adacc_budget: device memory budget per GPU: ``"20GiB"``, ``"20GB"``, ``"80%"`` of
             device memory, a byte count, or ``"auto"`` (free memory plus what the model already
             holds, minus max(1 GiB, 5%)).
         adacc_policy: a saved ``adacc_policy.json`` to reuse: skips profiling and solving.
-        adacc_profile: saved profiles to plan from where they match this run (model, dtype,
+        adacc_profile_from: saved profiles to plan from where they match this run (model, dtype,
             device, versions, bucket): an ``adacc_profiles.json`` or a directory holding one.
             Default: ``output_dir``'s (or the resumed checkpoint's); ``"none"``: always profile.
         adacc_codecs: codecs the solver may use (default: each layer type's own codec), e.g.
@@ -98,6 +102,11 @@ class AdaccTrainingArguments(TrainingArguments):
             ``PYTORCH_CUDA_ALLOC_CONF`` is set: without them a step reserves well above what it
             allocates (1.4 GiB over a 6 GiB step measured on an H100), and CUDA runs out when
             reserved memory does.
+        adacc_codec_backends: codec implementations timed on each op, the fastest used
+            (``torch``, ``inductor``, ``triton``, ``bitsandbytes``, ``torchao``; None: every one
+            on CUDA, the reference elsewhere).
+        adacc_memory_budget: deprecated name of ``adacc_budget`` (one release, with a warning).
+        adacc_profile: deprecated name of ``adacc_profile_from`` (one release, with a warning).
         adacc_allocator: the caching allocator each plan's reserved peak is fitted to before
             its step runs: ``auto`` (CUDA's, as configured), ``expandable``, ``default``, ``off``.
 
@@ -114,7 +123,7 @@ class AdaccTrainingArguments(TrainingArguments):
             "Train with Adacc: per-op retain / compress / recompute of activations under a budget."
         ),
     )
-    adacc_memory_budget: str = field(
+    adacc_budget: str = field(
         default="auto",
         metadata=_help(
             "Device memory budget per GPU: '20GiB', '20GB', '80%' of device memory, a byte count, "
@@ -125,7 +134,7 @@ class AdaccTrainingArguments(TrainingArguments):
         default=None,
         metadata=_help("A saved adacc_policy.json to reuse: skips profiling and solving."),
     )
-    adacc_profile: str | None = field(
+    adacc_profile_from: str | None = field(
         default=None,
         metadata=_help(
             "Saved profiles to plan from where they match this run (model, dtype, device, "
@@ -241,8 +250,41 @@ class AdaccTrainingArguments(TrainingArguments):
             "elsewhere), expandable, default, off (the guard alone re-plans after a step)."
         ),
     )
+    adacc_codec_backends: list[str] | None = field(
+        default=None,
+        metadata=_help(
+            "Codec implementations timed on each op, the fastest used: torch, inductor, triton, "
+            "bitsandbytes, torchao (default: every one on CUDA, the reference elsewhere)."
+        ),
+    )
+    # old names, kept for one release (`RENAMED`)
+    adacc_memory_budget: str | None = field(
+        default=None, metadata=_help("Deprecated: --adacc_budget.")
+    )
+    adacc_profile: str | None = field(
+        default=None, metadata=_help("Deprecated: --adacc_profile_from.")
+    )
+
+    def _take_renamed(self) -> None:
+        """Old option names fill the new ones, with a warning (both given: an error)."""
+        for old, new in RENAMED.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            default = next(f.default for f in dataclasses.fields(self) if f.name == new)
+            if getattr(self, new) not in (default, value):
+                raise AdaccError(f"{old} is the old name of {new}: give only {new}")
+            warnings.warn(
+                f"{old} is renamed {new} (the AdaccConfig field's name); the old name goes in "
+                "the next release",
+                FutureWarning,
+                stacklevel=4,
+            )
+            setattr(self, new, value)
+            setattr(self, old, None)
 
     def __post_init__(self) -> None:
+        self._take_renamed()
         if self.adacc_codecs is not None:  # also "a,b" (a YAML string, older command lines)
             items = [self.adacc_codecs] if isinstance(self.adacc_codecs, str) else self.adacc_codecs
             self.adacc_codecs = [c.strip() for i in items for c in str(i).split(",") if c.strip()]
@@ -285,9 +327,9 @@ class AdaccTrainingArguments(TrainingArguments):
         from ..solver import parse_budget
 
         try:
-            parse_budget(self.adacc_memory_budget, "cpu")  # syntax check before any work
+            parse_budget(self.adacc_budget, "cpu")  # syntax check before any work
         except Exception as e:
-            raise AdaccError(f"adacc_memory_budget: {e}") from None
+            raise AdaccError(f"adacc_budget: {e}") from None
         if self.adacc_policy is not None:
             try:
                 Policy.load(self.adacc_policy)
@@ -302,7 +344,7 @@ class AdaccTrainingArguments(TrainingArguments):
     def adacc_config(self) -> AdaccConfig:
         """The `AdaccConfig` these options describe (run-dependent fields: see `run_config`)."""
         return AdaccConfig(
-            budget=self.adacc_memory_budget,
+            budget=self.adacc_budget,
             codecs=list(self.adacc_codecs) if self.adacc_codecs else None,
             zscore_threshold=self.adacc_zscore_threshold,
             adaptive=self.adacc_adaptive,
@@ -323,7 +365,8 @@ class AdaccTrainingArguments(TrainingArguments):
             auto_batch_size=self.adacc_auto_batch_size,
             expandable_segments=self.adacc_expandable_segments,
             allocator=self.adacc_allocator,
-            profile_from=self.adacc_profile,
+            profile_from=self.adacc_profile_from,
+            codec_backends=list(self.adacc_codec_backends) if self.adacc_codec_backends else None,
             # --torch_compile: the Trainer compiles the model whole (Accelerate), adacc profiles
             # its blocks and head compiled with the same backend and plans without offload
             compile=(getattr(self, "torch_compile_backend", None) or "inductor")

@@ -3,8 +3,8 @@
 * ``Trainer(..., callbacks=[AdaccCallback(budget="20GiB")])`` works with any `TrainingArguments`
   (TRL's configs included): the callback reads the optimizer, mixed precision and sharding off the
   run's arguments.
-* ``Trainer(args=AdaccTrainingArguments(adacc=True, adacc_memory_budget="20GiB"))``: the same,
-  with the options on the command line (``--adacc --adacc_memory_budget 20GiB``).
+* ``Trainer(args=AdaccTrainingArguments(adacc=True, adacc_budget="20GiB"))``: the same,
+  with the options on the command line (``--adacc --adacc_budget 20GiB``).
 * `AdaccTrainer`: a `Trainer` that insists on adacc being configured. Every feature (automatic
   micro-batch, out-of-memory retry, events as metrics, artifacts, resume, the model card) is wired
   into any Trainer by the callback (`wiring`), so the three are the same run.
