@@ -296,7 +296,8 @@ class EvolvingPolicy(SolvedPolicy):
             s.on_step_begin(1)
         else:
             s.apply(s.policy)
-            if s.rectifier.tracker is not None and s.handle is not None:  # a tracking step under way
+            # a tracking step under way
+            if s.rectifier.tracker is not None and s.handle is not None:
                 s.handle.set_tracker(s.rectifier.tracker)
 
     def uninstall(self) -> None:
