@@ -51,6 +51,9 @@ from adacc_hf.runtime.peak import live_state_nbytes
 
 GLOBAL = 4
 ENTRY_POINTS = ["arguments", "callback", "adacc_trainer", "prepare"]
+#: Runs 2 and 3 in the default suite: the entry point README says to pick, and `prepare`; the
+#: callback and `AdaccTrainer` are the same Trainer run (`make test-all`: 20-25 s each).
+SLOW_RESUME = {"callback", "adacc_trainer"}
 
 
 class Run:
@@ -221,7 +224,10 @@ def _train(
     return session, peaks, calls.n, lambda p: step_peak(model, p, long, opt)
 
 
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize(
+    "entry",
+    [pytest.param(e, marks=[pytest.mark.slow] if e in SLOW_RESUME else []) for e in ENTRY_POINTS],
+)
 def test_a_longer_batch_and_saved_profiles(entry, tmp_path, caplog):
     model, _, long = tiny()
     budget = long_budget(model, long, "adamw_torch")
