@@ -36,7 +36,7 @@ test-all: setup
 
 # Adacc on 2 CPU processes over gloo: DDP, FSDP2, DeepSpeed ZeRO-2/3 (first run compiles DeepSpeed's ops)
 test-dist: setup
-	$(PY) -m pytest -q tests/test_distributed.py
+	$(PY) -m pytest -q tests/integrations/test_distributed.py
 
 # The first GPU check (<= 8 min on one H100 / H200): tests on CUDA, codec bandwidth, step peaks
 # against prediction and budget, tokens/s against HF's knobs. On the lent machine, see
@@ -77,11 +77,11 @@ max-batch: setup
 
 # Every tested transformers family (slow ones too, ~10 min on 2 cores) -> JSON -> docs/families.md.
 families-table: setup
-	ADACC_FAMILY_REPORT=benchmarks/results/families-cpu.json $(PY) -m pytest -q tests/test_families.py
+	ADACC_FAMILY_REPORT=benchmarks/results/families-cpu.json $(PY) -m pytest -q tests/adapters/test_families.py
 	$(PY) benchmarks/families_table.py benchmarks/results/families-cpu.json --doc docs/families.md
 
 # Line and branch coverage of kernels/ under Triton's CPU interpreter (kernel bodies run as Python).
-KERNEL_TESTS := tests/test_kernels.py tests/test_kernel_paths.py tests/test_kernel_launches.py tests/test_kernel_offsets.py
+KERNEL_TESTS := tests/kernels/test_kernels.py tests/kernels/test_kernel_paths.py tests/kernels/test_kernel_launches.py tests/kernels/test_kernel_offsets.py
 kernel-coverage: setup
 	rm -f .coverage .coverage.*
 	$(PY) -m coverage run -p --branch --source=kernels -m pytest -q $(KERNEL_TESTS)

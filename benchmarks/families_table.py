@@ -2,7 +2,7 @@
 JSON report.
 
     ADACC_FAMILY_REPORT=benchmarks/results/families-cpu.json \\
-        python -m pytest -q tests/test_families.py          # every family, slow ones included
+        python -m pytest -q tests/adapters/test_families.py          # every family, slow ones included
     python benchmarks/families_table.py benchmarks/results/families-cpu.json --doc docs/families.md
 
 (`make families-table` does both.) The table replaces what lies between the markers

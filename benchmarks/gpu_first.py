@@ -10,7 +10,7 @@ starting new work and says so in the JSON; a failing section is recorded and the
 1. ``env``: GPU, versions, the packages the suite needs.
 2. ``tests``: the kernel and codec tests and the exactness tests on the device
    (``ADACC_TEST_DEVICE=cuda``: deterministic algorithms and the math attention backend where
-   bitwise equality is claimed; ``tests/test_device_exact.py`` bounds the fast backends by their
+   bitwise equality is claimed; ``tests/runtime/test_device_exact.py`` bounds the fast backends by their
    own run-to-run spread); the log beside the JSON.
 3. ``codecs``: each codec's encode / decode bandwidth against a plain copy at 4 sizes.
 4. ``peaks``: SmolLM2-135M (bf16) at 3 budgets: measured step peak (allocated and reserved)
@@ -45,15 +45,15 @@ SECTIONS = ("env", "tests", "codecs", "peaks", "session", "throughput")
 # Each section's share of the limit (GPU), in order; a section may use what earlier ones left.
 SHARES_S = {"env": 5, "tests": 170, "codecs": 50, "peaks": 60, "session": 35, "throughput": 100}
 TEST_FILES = [
-    "tests/test_device_exact.py",
-    "tests/test_runtime_exact.py",
-    "tests/test_runtime_dropout.py",
-    "tests/test_runtime_compress.py",
-    "tests/test_kernels.py",
-    "tests/test_kernel_paths.py",  # several selection programs: the ticket hand-over on a GPU
-    "tests/test_kernel_launches.py",
+    "tests/runtime/test_device_exact.py",
+    "tests/runtime/test_runtime_exact.py",
+    "tests/runtime/test_runtime_dropout.py",
+    "tests/runtime/test_runtime_compress.py",
+    "tests/kernels/test_kernels.py",
+    "tests/kernels/test_kernel_paths.py",  # several selection programs: the ticket hand-over on a GPU
+    "tests/kernels/test_kernel_launches.py",
 ]
-SMOKE_TESTS = ["tests/test_device_exact.py", "-k", "llama and recompute and not bf16"]
+SMOKE_TESTS = ["tests/runtime/test_device_exact.py", "-k", "llama and recompute and not bf16"]
 CODECS = ["int4_outlier", "int4_channel", "int4_asym", "bitpack", "fp8_e4m3", "int4_naive"]
 
 

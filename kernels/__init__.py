@@ -35,10 +35,10 @@ fp8_e4m3       1 read, 1 write (per-block absmax fused)                         
 
 Launches per call: 1 (int4_naive, int4_asym, fp8, bool bitpack) or 2 (float bitpack) per
 encode, int4_channel 3, int4_outlier 3 (odd groups 4); every decode 1
-(``tests/test_kernel_launches.py`` pins them). Every launch goes through
+(``tests/kernels/test_kernel_launches.py`` pins them). Every launch goes through
 :func:`._common.launch` (a CUDA tensor's launches run under ``torch.cuda.device`` of its device).
 Encoders read inputs through their strides (no copy for transposed or sliced views); offsets are
-64-bit (``tests/test_kernel_offsets.py``).
+64-bit (``tests/kernels/test_kernel_offsets.py``).
 
 Odd layouts (an odd number of codes per row, so bytes straddle rows) use a statistics pass plus a
 "flat" quantiser that walks the byte array (one more read). No kernel launch waits for the
@@ -72,7 +72,7 @@ config lists are built in one place, :func:`._common.configs`).
   most programs and its finaliser reads the chosen config's count on the host). The tuner reruns
   kernels while benchmarking: every kernel writes a function of its inputs, except the
   selection's ticket counter, which is reset to zero before each run (``reset_to_zero``).
-  ``tests/test_kernel_autotune.py`` runs every candidate tile of small shapes against the torch
+  ``tests/kernels/test_kernel_autotune.py`` runs every candidate tile of small shapes against the torch
   references.
 
 Nothing here imports triton at import time: kernel modules are imported by the ops on first

@@ -1,10 +1,18 @@
-"""Shared helpers: tiny per-family models and one seeded training step."""
+"""Shared helpers: tiny per-family models and one seeded training step.
+
+The tests follow the package: ``tests/<package>/`` holds the tests of ``src/adacc_hf/<package>``
+(``tests/kernels/``: the Triton kernels; ``tests/package/``: the package as a whole: API docs,
+README, packaging, CLI, assets, benchmarks). Helpers shared by several folders (`batch_rows`,
+`step_meter`, `plain_nets`, ...) stay here; every folder is on ``sys.path``, so a test imports a
+helper, or another folder's test module, by its name.
+"""
 
 from __future__ import annotations
 
 import gc
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -14,6 +22,11 @@ import torch
 
 from adacc_hf import assets, trace_model
 from adacc_hf.policy.builders import random_mix
+
+_HERE = Path(__file__).resolve().parent
+for _folder in [_HERE, *sorted(p for p in _HERE.iterdir() if p.is_dir() and p.name[0] != "_")]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 FAMILIES = assets.SUPPORTED_FAMILIES
 #: Where the device-aware tests (those using `tiny`, `test_device_exact.py`, the kernel tests) run:
@@ -125,7 +138,7 @@ def deterministic_device(request):
 
 
 # ---- the families report, rendered into docs/families.md by benchmarks/families_table.py:
-#      ADACC_FAMILY_REPORT=path.json pytest tests/test_families.py
+#      ADACC_FAMILY_REPORT=path.json pytest tests/adapters/test_families.py
 _FAMILY_TESTS = "test_families.py::"
 _family_results: dict[str, dict] = {}
 

@@ -1,4 +1,4 @@
-"""Shared by the scripts `tests/test_distributed.py` launches: tiny models, budgets, reports."""
+"""Shared by the scripts `tests/integrations/test_distributed.py` launches: tiny models, budgets, reports."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from ..errors import UnsupportedModelError
 from .base import Adapter
 from .rules import Roles, class_name, submodule_roles
 
-#: Model types the test suite runs end to end (tests/test_families.py); docs/families.md lists them.
+#: Model types the test suite runs end to end (tests/adapters/test_families.py); docs/families.md lists them.
 VERIFIED_MODEL_TYPES = (
     "bart", "bert", "bloom", "cohere", "deberta-v2", "distilbert", "falcon", "gemma", "gemma2",
     "gemma3_text", "glm", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "granite", "helium", "llama",

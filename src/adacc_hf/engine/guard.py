@@ -13,7 +13,7 @@ CUDA (exact accounting) the guard does nothing.
 
 `DerivedCheck` watches the first step of a bucket whose memory was interpolated rather than
 measured (`profiler.derive`): the highest bytes allocated over that step (its allocation events,
-replayed: no peak statistic of the user's is reset) against the prediction. The interpolation never under-counts on CPU (tests/test_derive.py); where a device
+replayed: no peak statistic of the user's is reset) against the prediction. The interpolation never under-counts on CPU (tests/engine/test_derive.py); where a device
 allocates more than predicted, the bucket is profiled in full before its next batch.
 """
 

@@ -1,7 +1,7 @@
 """`AdaccConfig`'s fields as typed keywords: what `prepare` and `AdaccCallback` take by name.
 
 Each key is the `AdaccConfig` field of the same name, with its type; what it does is said once,
-in `AdaccConfig`'s docstring (``help(adacc_hf.AdaccConfig)``). `tests/test_api_docs.py` holds the
+in `AdaccConfig`'s docstring (``help(adacc_hf.AdaccConfig)``). `tests/package/test_api_docs.py` holds the
 keys to the fields.
 """
 

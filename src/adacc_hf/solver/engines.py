@@ -1,7 +1,7 @@
 """What a sharding engine adds to a step's moments, per device: parameters gathered for forward and
 backward, unsharded gradients before their reduction, communication buffers. Rules read off the
 engines' sources (torch 2.13 ``fully_shard``, DeepSpeed 0.19), checked per rank in
-``tests/test_distributed.py``. ``S_j``: block j's parameters unsharded; ``R``: the rest; ``n``:
+``tests/integrations/test_distributed.py``. ``S_j``: block j's parameters unsharded; ``R``: the rest; ``n``:
 the world size.
 
 FSDP2 (one ``fully_shard`` per block and one on the root, ``_fsdp_param_group.py``):

@@ -37,7 +37,7 @@ partition, once more in fp32 when gradients are 16-bit): the multiples above app
 partition (``stage_1_and_2.py``, measured per rank).
 
 Communication buffers (``comm``, resident from the engine's construction on, measured per rank in
-``tests/test_distributed.py``): DDP (``ddp=True``, ``gradient_as_bucket_view=False`` as Accelerate
+``tests/integrations/test_distributed.py``): DDP (``ddp=True``, ``gradient_as_bucket_view=False`` as Accelerate
 and the HF Trainer leave it) copies each gradient into a flat bucket for its all-reduce: buckets
 cover every trainable parameter once, 1x the gradient bytes. (With ``gradient_as_bucket_view=True``
 the gradients are views of the buckets: counting them as well over-counts by 1x the gradients.)

@@ -106,7 +106,7 @@ def test_offload_with_a_codec_is_compression_moved_off_the_device(tiny):
 def test_pretrained_smollm2_on_real_text():
     """The shipped pretrained SmolLM2-135M on Shakespeare (4 x 128): everything offloaded as it
     is gives the unpatched gradients bit for bit; offloaded with the codecs gives exactly what
-    compressing with them gives, within the fidelity bar of `tests/test_fidelity.py`."""
+    compressing with them gives, within the fidelity bar of `tests/codecs/test_fidelity.py`."""
     from test_fidelity import WHOLE_MODEL_BOUND
 
     model, batch = smollm2_on_text()

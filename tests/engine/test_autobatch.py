@@ -91,7 +91,7 @@ def test_auto_micro_batch_fits_and_the_next_larger_does_not_or_is_slower(family,
     _check(model, sample, other, loose, opt, measured)
 
 
-@pytest.mark.slow  # tests/test_entry_point_parity.py runs the micro-batch in every entry point
+@pytest.mark.slow  # tests/integrations/test_entry_point_parity.py runs the micro-batch in every entry point
 def test_adacc_trainer_picks_the_micro_batch_and_keeps_the_global_batch(tmp_path):
     from transformers import Trainer, TrainingArguments
 

@@ -108,7 +108,7 @@ def _train(model, batch, session, steps=12, shift_at=5):
     return events
 
 
-@pytest.mark.slow  # 81 s in the default run; the 2-rank switch test (tests/test_distributed.py) keeps a switch there
+@pytest.mark.slow  # 81 s in the default run; the 2-rank switch test (tests/integrations/test_distributed.py) keeps a switch there
 def test_outlier_shift_switches_policy_at_the_next_tracking_step():
     model, batch, session = _setup(adaptive=True)
     first = session.policy

@@ -94,7 +94,7 @@ def test_hf_gradient_checkpointing_already_on_is_refused(tiny):
 
 def test_a_model_compiled_before_adacc_is_patched_through_its_wrapper(tiny):
     """``torch.compile(model)`` first, adacc second: the wrapper's model is patched, and the
-    compiled forward traces the policy (tests/test_compile.py checks what it runs); a
+    compiled forward traces the policy (tests/runtime/test_compile.py checks what it runs); a
     compressing policy is refused when traced, and the uncompiled model still trains."""
     model, batch = tiny
     compiled = torch.compile(model, backend="aot_eager")

@@ -29,7 +29,7 @@ def _batch(model):
 
 class _CapacityFrom(TrainerCallback):
     """The simulated device gets its capacity after the first step (profiling is the subject of
-    tests/test_first_step.py; here it is the plan that under-predicts)."""
+    tests/engine/test_first_step.py; here it is the plan that under-predicts)."""
 
     def __init__(self, capacity):
         self.capacity, self.meter = capacity, None

@@ -15,7 +15,7 @@ import torch
 
 from adacc_hf import assets
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 SNIPPETS = [
     (README.read_text()[: m.start()].count("\n") + 2, m.group(1))
     for m in re.finditer(r"```python\n(.*?)```", README.read_text(), re.S)

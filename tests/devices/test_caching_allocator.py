@@ -318,7 +318,7 @@ def test_an_expandable_snapshot_reads_mapped_pages_and_replays_expandable():
     assert replay(snap.events).reserved == 50 * MiB  # segments alone: 20 + a 30 MiB one
 
 
-_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 _SNAPSHOTS = sorted(_RESULTS.glob("*.pickle.gz"))
 
 

@@ -61,7 +61,7 @@ def run(tmp_path, profile_from: str | None = None) -> tuple[AdaccSession, list[i
     return session, peaks, budget, calls.n
 
 
-@pytest.mark.slow  # every entry point does it in tests/test_entry_point_parity.py
+@pytest.mark.slow  # every entry point does it in tests/integrations/test_entry_point_parity.py
 def test_a_run_started_again_plans_from_the_saved_profiles(tmp_path, caplog):
     first, peaks, budget, calls = run(tmp_path)
     write_artifacts(str(tmp_path), first)

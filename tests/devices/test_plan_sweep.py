@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from adacc_hf import assets
 from benchmarks.harness.sweep import budget_sweep
@@ -22,7 +22,7 @@ LAYERS = {"t5": {"num_layers": 4, "num_decoder_layers": 4}, "gpt2": {"n_layer": 
 DYNAMIC = [16, 64, 32, 128, 48]  # 8x from the first (shortest) to the longest
 FIXED = [64, 64]
 # Two families in the default run (dynamic padding with a measured step per bucket runs in
-# tests/test_trainer.py, bf16 included); the rest (T5: minutes) is `slow`.
+# tests/integrations/test_trainer.py, bf16 included); the rest (T5: minutes) is `slow`.
 DEFAULT = {
     ("llama", "fp32", "fixed"),
     ("bert", "fp32", "fixed"),

@@ -41,7 +41,7 @@ from adacc_hf.errors import AdaccError
 from adacc_hf.integrations import sharding
 from adacc_hf.solver import budget_between
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "dist_scripts"
 RECIPES = ROOT / "recipes"
 LOSSLESS_RTOL = 1e-6

@@ -52,7 +52,7 @@ from adacc_kernels import ops as kops
 
 from adacc_hf.codecs import Encoded, dispatch, get_codec, pack_int4
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- layer 1: launch functions vs reference ----------------------------------------------

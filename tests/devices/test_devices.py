@@ -221,7 +221,7 @@ def test_plans_on_paper_meet_what_the_other_gpu_measured(fit_on, check):
     """Fitted on one GPU's committed runs, the other GPU's every committed step time within
     10 % and allocated peak within 2 % (the peak of SmolLM2 at 16k tokens without offload is
     the one known miss: see docs/results.md)."""
-    sys.path.append(str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    sys.path.append(str(__import__("pathlib").Path(__file__).resolve().parents[2]))
     from benchmarks.device_check import direction
 
     res = direction(fit_on, check)

@@ -357,7 +357,7 @@ def test_bf16_dynamic_padding_accumulation_and_evaluation_stay_in_budget(tmp_pat
     session.close()
 
 
-@pytest.mark.slow  # ~20 s; compiled plans are held by tests/test_compile.py
+@pytest.mark.slow  # ~20 s; compiled plans are held by tests/runtime/test_compile.py
 def test_torch_compile_trains_the_solved_policy_compiled(tmp_path):
     """``--torch_compile`` with adacc: the Trainer compiles the model whole (Accelerate), the
     session profiles its blocks, head and step compiled with the same backend

@@ -6,7 +6,7 @@ import pathlib
 
 import tomllib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_every_subpackage_is_listed_in_pyproject():

@@ -215,7 +215,7 @@ def test_every_kernel_launch_compiles_with_tritons_compiler_for_sm_90(tmp_path):
     empty cache (it found ``FLT_MIN: tl.constexpr = ...`` globals, which Triton 3.9 rejects)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    script = Path(__file__).with_name("compile_kernels.py")
+    script = Path(__file__).resolve().parents[1] / "compile_kernels.py"
     res = subprocess.run(
         [sys.executable, str(script), "90"], capture_output=True, text=True, env=env, timeout=600
     )

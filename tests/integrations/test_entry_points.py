@@ -139,7 +139,7 @@ def adacc_session(trainer: Trainer) -> AdaccSession:
     return cb.session
 
 
-@pytest.mark.slow  # 40-60 s each; tests/test_entry_point_parity.py runs every entry point
+@pytest.mark.slow  # 40-60 s each; tests/integrations/test_entry_point_parity.py runs every entry point
 @pytest.mark.parametrize("trainer_class", [Trainer, AdaccTrainer])
 def test_training_arguments_plan_the_longer_batch_within_budget(tmp_path, trainer_class):
     """`AdaccTrainingArguments(adacc=True)` in a plain `Trainer` and in `AdaccTrainer`."""
@@ -158,7 +158,7 @@ def test_training_arguments_plan_the_longer_batch_within_budget(tmp_path, traine
     )
 
 
-@pytest.mark.slow  # tests/test_entry_point_parity.py runs it (and every other entry point)
+@pytest.mark.slow  # tests/integrations/test_entry_point_parity.py runs it (and every other entry point)
 def test_callback_in_a_plain_trainer_plans_the_longer_batch_within_budget(tmp_path):
     model, short, long = tiny()
     budget = long_budget(model, long, "adamw_torch_fused")
@@ -206,7 +206,7 @@ def loop_metered(
 
 @pytest.mark.parametrize(
     "sample",
-    # 30-50 s each on the shared CPU; tests/test_entry_point_parity.py runs the sample_batch one
+    # 30-50 s each on the shared CPU; tests/integrations/test_entry_point_parity.py runs the sample_batch one
     [pytest.param(True, marks=pytest.mark.slow), pytest.param(False, marks=pytest.mark.slow)],
     ids=["sample_batch", "first_forward"],
 )

@@ -4,7 +4,7 @@ runs (`engine.reserved`, `devices.live`): modelled here on the CPU with ``alloca
 The truth is the real step: one training step of the plan on this CPU, its allocations recorded
 (``torch.profiler``'s allocator events) and replayed through the caching-allocator model
 (`devices.reserved.step_reserved`; the model itself is checked against the allocator's source rules
-in tests/test_caching_allocator.py). Planned for allocated bytes alone (``allocator="off"``) the
+in tests/devices/test_caching_allocator.py). Planned for allocated bytes alone (``allocator="off"``) the
 same budget's plan reserves over the budget under the default allocator; fitted, it does not, and
 the reserved peak the session predicted is not below what the real step reserves.
 """
