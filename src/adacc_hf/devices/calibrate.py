@@ -136,6 +136,7 @@ def simulate(runs: Sequence[Run], table: DeviceTable) -> list[Outcome]:
                     head=r.head,
                     offload=r.offload,
                     steps=("none", "adacc"),
+                    fit_reserved=False,  # the GPU runs planned allocated bytes
                 )
             s = plan.steps["adacc"]
             summary = plan.policy.summary() if plan.policy is not None else {}

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..runtime import apply_adacc
 from .dryrun import dry_run
+from .host_model import empty_model, modelled_optimizer, train_step
 from .reserved import step_reserved
 
 __all__ = ["ReservedModel", "mirror_of"]
@@ -40,8 +41,6 @@ def mirror_of(model: nn.Module) -> nn.Module | None:
     if config is None or hasattr(model, "peft_config") or getattr(model, "is_quantized", False):
         return None
     try:
-        from .plan import empty_model
-
         dtype = next(model.parameters()).dtype
         mirror = empty_model(config, dtype)
     except Exception as e:  # a configuration the auto classes do not build
@@ -68,22 +67,10 @@ def _on_host(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _optimizer(model: nn.Module, name: str | None) -> torch.optim.Optimizer:
-    from .plan import _optimizer as modelled
-
     try:
-        return modelled(model, name or "adamw_torch")
+        return modelled_optimizer(model, name or "adamw_torch")
     except ValueError:  # another optimizer: AdamW's states are the common case
-        return modelled(model, "adamw_torch")
-
-
-def _step(model: nn.Module, batch: Mapping[str, Any], opt: Any, autocast: Any) -> None:
-    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-        out = model(**batch)
-    loss = out["loss"] if isinstance(out, Mapping) else out[0]
-    del out  # the logits go before backward, as a Trainer's step drops them
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+        return modelled_optimizer(model, "adamw_torch")
 
 
 class ReservedModel:
@@ -125,10 +112,10 @@ class ReservedModel:
         tensors = [v for v in host.values() if isinstance(v, torch.Tensor)]
         try:
             with dry_run(), torch.random.fork_rng(devices=[]), apply_adacc(mirror, policy):
-                _step(mirror, host, opt, self.autocast)  # the optimizer's states exist
+                train_step(mirror, host, opt, self.autocast)  # the optimizer's states exist
                 peaks = step_reserved(
                     mirror,
-                    lambda: _step(mirror, host, opt, self.autocast),
+                    lambda: train_step(mirror, host, opt, self.autocast),
                     opt,
                     tensors,
                     expandable=self.expandable,

@@ -25,6 +25,9 @@ from ..runtime.peak import measure_step_peak
 from ..solver import estimate_static_memory
 from ..solver.window import min_budget, no_checkpoint_budget
 from .dryrun import DryRun, dry_run
+from .host_model import empty_model
+from .host_model import modelled_optimizer as _optimizer
+from .host_model import train_step as _step
 from .reserved import step_reserved
 from .roofline import Roofline
 from .table import DeviceTable, load_device
@@ -67,49 +70,11 @@ class DevicePlan:
         return self.steps[over].step_ms / self.steps[name].step_ms
 
 
-def empty_model(config: Any, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A transformers model of `config` on the CPU with uninitialised weights (no pages touched:
-    a dry run reads none), in train mode."""
-    import transformers
-
-    cls = (
-        transformers.AutoModelForSeq2SeqLM
-        if getattr(config, "is_encoder_decoder", False)
-        else transformers.AutoModelForCausalLM
-    )
-    with torch.device("meta"):
-        model = cls.from_config(config, dtype=dtype)
-    model = model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives each tied parameter storage of its own
-    return model.train()
-
-
 def random_batch(config: Any, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, Any]:
     """Token ids and labels of `batch_size` x `seq_len` (no padding), as a benchmark's."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, config.vocab_size, (batch_size, seq_len), generator=g)
     return {"input_ids": ids, "labels": ids, "use_cache": False}
-
-
-def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
-    """The optimizer a GPU run of `name` steps with (fused or foreach AdamW, as on CUDA)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if name == "adamw_torch_fused":
-        return torch.optim.AdamW(params, lr=1e-5, fused=True)
-    if name in ("adamw_torch", "adamw"):
-        return torch.optim.AdamW(params, lr=1e-5, foreach=True)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-5)
-    raise ValueError(f"no modelled optimizer {name!r}: adamw_torch_fused, adamw_torch or sgd")
-
-
-def _step(model: nn.Module, batch: Mapping[str, Any], opt: torch.optim.Optimizer) -> None:
-    out = model(**batch)
-    loss = out["loss"] if isinstance(out, Mapping) else out[0]
-    del out  # the logits go before backward, as a Trainer's step drops them
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def model_step(
@@ -176,6 +141,7 @@ def plan_for_device(
     steps: tuple[str, ...] = ("none", "hf_full", "adacc"),
     solve: bool = True,
     expandable: bool = True,
+    fit_reserved: bool = True,
 ) -> DevicePlan:
     """Profile, solve and run `model`'s step on paper for `device` (a table's name, or a table).
 
@@ -200,6 +166,9 @@ def plan_for_device(
             through the allocator's model (`reserved`); where it would reserve more than the
             budget, the plan is solved again with what it reserved above its allocated peak
             kept free (until it fits, or only full recomputation is left).
+        fit_reserved: solve again while the reserved peak passes the budget (above); False
+            plans allocated bytes alone, as the committed GPU runs did (their reserved peak is
+            still modelled).
     """
     from ..engine.config import AdaccConfig
     from ..engine.guard import MARGIN
@@ -260,7 +229,7 @@ def plan_for_device(
             with apply_adacc(model, policy, host_cap=None):
                 step = out["adacc"] = model_step(mode, "Adacc", model, batch, opt, expandable)
             reserved = step.reserved_nbytes or 0
-            if reserved <= budget or budget - reserve <= lo:
+            if not fit_reserved or reserved <= budget or budget - reserve <= lo:
                 break
             # keep free what the allocator reserves above this plan's allocated peak
             reserve = max(reserve + MARGIN, reserved - step.peak_nbytes + MARGIN)
