@@ -135,9 +135,7 @@ class Planner:
         try:
             sample = ctx.padded(batch, key) if probes else None  # the profiled batch
             policy = self.solver.solve_measured(profile, probes, reserve, room, sample)
-            policy, reserve = self.reserved.fit(
-                policy, profile, ctx.padded(batch, key), reserve, room
-            )
+            policy, reserve = self.reserved.fit(policy, profile, batch, key, reserve, room)
         except BudgetError as e:
             if self.current is None:  # the run's first plans: fail before any work is lost
                 raise

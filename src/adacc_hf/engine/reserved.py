@@ -28,6 +28,7 @@ from ..runtime.allocator import expandable_now
 from ..schema import Profile
 from .context import SessionContext
 from .guard import MARGIN
+from .shapes import ShapeKey
 from .solving import BucketSolver
 
 __all__ = ["TRIES", "ReservedFit", "allocator_modelled"]
@@ -59,44 +60,44 @@ class ReservedFit:
 
     def _reserved_model(self) -> Any:
         if self._model is None:
-            c = self.ctx.config
-            kind = allocator_modelled(c.allocator, self.ctx.device)
-            why = None
-            if kind is None:
-                pass
-            elif c.world_size > 1 or c.fsdp or c.zero_stage or c.ddp:
-                why = "a run of several ranks or sharded"
-            elif c.compile:
-                why = "a compiled run"
-            if why is not None:
-                logger.info("adacc: reserved memory not modelled for %s: the guard is left", why)
-            if kind is None or why is not None:
-                self._model = False
-            else:
-                from ..devices.live import ReservedModel
-
-                self._model = ReservedModel(
-                    unwrap_model(self.ctx.model),
-                    kind == "expandable",
-                    c.optimizer,
-                    self.ctx.autocast,
-                )
+            self._model = self._build() or False
         return self._model or None
+
+    def _build(self) -> Any:
+        """This session's `devices.live.ReservedModel`, or None where nothing is modelled."""
+        c = self.ctx.config
+        kind = allocator_modelled(c.allocator, self.ctx.device)
+        if kind is None:
+            return None
+        why = None
+        if c.world_size > 1 or c.fsdp or c.zero_stage or c.ddp:
+            why = "a run of several ranks or sharded"
+        elif c.compile:
+            why = "a compiled run"
+        if why is not None:
+            logger.info("adacc: reserved memory not modelled for %s: the guard is left", why)
+            return None
+        from ..devices.live import ReservedModel
+
+        model = unwrap_model(self.ctx.model)
+        return ReservedModel(model, kind == "expandable", c.optimizer, self.ctx.autocast)
 
     def fit(
         self,
         policy: Policy,
         profile: Profile,
-        sample: Mapping[str, Any],
+        batch: Mapping[str, Any],
+        key: ShapeKey,
         reserve: int,
         room: int | None,
     ) -> tuple[Policy, int]:
-        """`policy` (solved for `profile` keeping `reserve` free), or one solved again until its
-        modelled reserved peak fits; returns it and the reserve it was solved with."""
+        """`policy` (solved for `profile`, the bucket `key` of `batch`, keeping `reserve` free),
+        or one solved again until its modelled reserved peak fits; returns it and the reserve it
+        was solved with."""
         model = self._reserved_model()
-        if model is None or _offloads(policy):
+        if model is None or policy.offloads:
             return policy, reserve
-        limit = self.ctx.limit()
+        sample, limit = self.ctx.padded(batch, key), self.ctx.limit()
         for attempt in range(TRIES + 1):
             peaks = model.peaks(policy, sample)
             if peaks is None:
@@ -110,7 +111,7 @@ class ReservedFit:
                 other = self.solver.solve_measured(profile, {}, kept, room)
             except AdaccError:  # nothing fits below it: the guard is left
                 break
-            if other.fingerprint() == policy.fingerprint() or _offloads(other):
+            if other.fingerprint() == policy.fingerprint() or other.offloads:
                 break
             logger.info(
                 "adacc: the plan would reserve %.1f MiB on CUDA's allocator (%.1f MiB allocated, "
@@ -122,7 +123,3 @@ class ReservedFit:
             )
             policy, reserve = other, kept
         return policy, reserve
-
-
-def _offloads(policy: Policy) -> bool:
-    return any("offload" in k for counts in policy.summary().values() for k in counts)

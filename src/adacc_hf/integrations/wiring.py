@@ -153,7 +153,6 @@ def _wrap_training_step(trainer: Any, session: Callable[[], Any]) -> None:
         log_events(trainer, session())
 
     retry = StepRetry(session, trainer.model, torch.device(trainer.args.device), on_retry)
-    trainer.__dict__["_adacc_retry"] = retry
 
     def training_step(model: Any, inputs: Any, *rest: Any, **kw: Any) -> Any:
         if not trainer_can_retry(trainer, session()):

@@ -281,6 +281,11 @@ class Policy:
                 "depth or architecture): create a policy for this model"
             )
 
+    @property
+    def offloads(self) -> bool:
+        """Whether any block moves anything to host memory (`Variant.offloads`)."""
+        return any(v.offloads for g in self.groups.values() for v in g.variants)
+
     # --------------------------------------------------------------------- display
     def table(self) -> str:
         """A human-readable per-op table (one per group and variant)."""

@@ -125,9 +125,7 @@ class AdaccHandle:
     def _set_host(self, policy: Policy) -> None:
         """The host store offloading blocks park their tensors in (one per model, kept across
         policy switches so its buffers are reused)."""
-        if self.host is None and any(
-            v.offloads for gp in policy.groups.values() for v in gp.variants
-        ):
+        if self.host is None and policy.offloads:
             param = next(self.model.parameters(), None)
             device = param.device if param is not None else "cpu"
             self.host = HostStore(device, self.host_cap)
