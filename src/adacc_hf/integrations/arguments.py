@@ -18,6 +18,7 @@ from .callback import AdaccCallback
 from .run_facts import (
     checkpointing_by_default,
     checkpointing_on,
+    checkpointing_typed,
     explicit_checkpointing_error,
     switch_off_own_checkpointing,
 )
@@ -288,7 +289,7 @@ class AdaccTrainingArguments(TrainingArguments):
         if self.adacc_codecs is not None:  # also "a,b" (a YAML string, older command lines)
             items = [self.adacc_codecs] if isinstance(self.adacc_codecs, str) else self.adacc_codecs
             self.adacc_codecs = [c.strip() for i in items for c in str(i).split(",") if c.strip()]
-        typed = _typed_checkpointing(self)  # before the parent resolves the two names
+        typed = checkpointing_typed(self)  # before the parent resolves the two names
         super().__post_init__()
         if not self.adacc:
             given = [
@@ -392,19 +393,6 @@ class AdaccTrainingArguments(TrainingArguments):
         self.__dict__.update(state)
         if getattr(self, "adacc", False):
             _enable_integration(self)
-
-
-def _typed_checkpointing(args: TrainingArguments) -> bool:
-    """Whether the user turned transformers' own checkpointing on (either name, any value other
-    than the class's field default), read before `TrainingArguments.__post_init__` copies one name
-    onto the other."""
-    fields = {f.name: f for f in dataclasses.fields(args)}
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        f = fields.get(name)
-        value = getattr(args, name, None)
-        if f is not None and value and value != f.default:
-            return True
-    return False
 
 
 def _enable_integration(args: AdaccTrainingArguments) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "batches_fetched_ahead",
     "checkpointing_by_default",
     "checkpointing_on",
+    "checkpointing_typed",
     "explicit_checkpointing_error",
     "flattens_batches",
     "head_note",
@@ -83,6 +84,19 @@ def _configured(args: Any) -> list[str]:
         if isinstance(value, dict):
             keys.update(k for k in value if k not in _SET_BY_TRL)
     return sorted(keys)
+
+
+def checkpointing_typed(args: Any) -> bool:
+    """Whether the user turned transformers' own checkpointing on (either name, any value other
+    than the class's field default), read before `TrainingArguments.__post_init__` copies one name
+    onto the other."""
+    fields = {f.name for f in dataclasses.fields(args)}
+    return any(
+        name in fields
+        and (value := getattr(args, name, None))
+        and value != _field_default(type(args), name)
+        for name in _FLAGS
+    )
 
 
 def checkpointing_by_default(args: Any) -> bool:
