@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import adacc_hf
 from adacc_hf import assets
-from adacc_hf.integrations.sharding import sharding_from_model
+from adacc_hf.engine.sharding import sharding_from_model
 from adacc_hf.solver import estimate_static_memory, predict
 
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")

@@ -35,10 +35,9 @@ import torch
 from conftest import random_policy
 
 from adacc_hf import assets, estimate_static_memory, profile_model, uniform_policy
-from adacc_hf.engine import coordinator
+from adacc_hf.engine import coordinator, sharding
 from adacc_hf.engine.config import AdaccConfig
 from adacc_hf.errors import AdaccError
-from adacc_hf.integrations import sharding
 from adacc_hf.solver import budget_between
 
 ROOT = Path(__file__).resolve().parents[2]

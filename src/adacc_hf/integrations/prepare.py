@@ -14,10 +14,10 @@ from ..engine.autobatch import choose_micro_batch, rows
 from ..engine.config import AdaccConfig
 from ..engine.options import SessionOptions
 from ..engine.session import AdaccSession
+from ..engine.sharding import sharding_from_model
 from ..errors import AdaccError
 from ..policy import Policy
 from ..solver.static import optimizer_name
-from .sharding import sharding_from_model
 
 __all__ = ["prepare"]
 

@@ -12,9 +12,9 @@ from transformers import TrainingArguments
 
 from ..adapters import unwrap_model
 from ..engine.config import AdaccConfig
+from ..engine.sharding import sharding_from_trainer
 from ..errors import AdaccError
 from ..runtime.head import chunked_head_problem
-from .sharding import sharding_from_trainer
 
 logger = logging.getLogger("adacc_hf")
 

@@ -19,7 +19,7 @@ a step. Rules (per trainable parameter of ``n`` elements at ``e`` bytes each):
   parameters): 4 bytes per element. AMP with fp32 parameters needs no master copy. DeepSpeed's
   ZeRO-1/2 optimizer clones an fp32 partition of every trainable parameter whatever its dtype
   (``single_partition_of_fp32_groups``): with ``master_weights`` (DeepSpeed's readers in
-  `integrations.sharding` set it) fp32 parameters count too; ZeRO-3 reuses fp32 partitions.
+  `engine.sharding` set it) fp32 parameters count too; ZeRO-3 reuses fp32 partitions.
 
 The optimizer step's own temporaries (``optimizer_step``, alive only inside ``optimizer.step()``),
 as torch 2.13 and bitsandbytes 0.50 allocate them, measured per optimizer in the tests: on CPU,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..engine.coordinator import world_size
+from .coordinator import world_size
 
 if TYPE_CHECKING:
     from torch import nn
