@@ -20,7 +20,6 @@ Adacc: each step's peak and time, interleaved.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import time
@@ -143,7 +142,7 @@ def main() -> None:
     if args.budget is None:
         t0 = time.perf_counter()
         budget, full, none = derived_budget(model, trainer, longest, amp, args.budget_fraction)
-        callback.config = dataclasses.replace(callback.config, budget=budget)
+        callback.config = callback.config.replace(budget=budget)
         print(
             f"measured step peaks at {'x'.join(map(str, longest[:2]))} (with AdamW states): HF "
             f"full checkpointing {mib(full)}, no checkpointing {mib(none)}; budget {mib(budget)} "

@@ -89,11 +89,13 @@ def fresh_bitsandbytes_overrides():
 def fresh_accelerate_state():
     """A Trainer leaves Accelerate's process-wide state initialized with its mixed precision,
     which `detect_autocast` reads as the autocast of a later test's `prepare` (a bf16 TRL test
-    made the automatic micro-batch tests plan under bf16 when they ran after it)."""
+    made the automatic micro-batch tests plan under bf16 when they ran after it), and its
+    gradient accumulation, which `prepare` reads too (`RunFacts.from_loop`)."""
     yield
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")

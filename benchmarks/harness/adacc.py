@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from adacc_hf.engine.config import AdaccConfig
+from adacc_hf.engine.options import CodecOptions
 from adacc_hf.engine.session import AdaccSession
 from adacc_hf.profiler import BlockProbe, profile_model
 from adacc_hf.schema import Profile
@@ -65,7 +66,7 @@ def profile_for(
     t0 = time.perf_counter()
     probes: dict[str, BlockProbe] = {}
     prof = profile_model(
-        model, batch, codec_params=AdaccConfig().codec_params(), repeats=repeats, probes=probes
+        model, batch, codec_params=CodecOptions().codec_params(), repeats=repeats, probes=probes
     )
     took = time.perf_counter() - t0
     naive = None

@@ -18,6 +18,7 @@ from torch import nn
 
 from adacc_hf import measure_step_peak, profile_model
 from adacc_hf.engine.config import AdaccConfig
+from adacc_hf.engine.facts import RunFacts
 from adacc_hf.engine.session import AdaccSession
 from adacc_hf.policy.display import totals
 from adacc_hf.solver import budget_between, estimate_static_memory
@@ -81,10 +82,9 @@ def budget_sweep(
         opt = make_optimizer(model)
         config = AdaccConfig(
             budget=budget,
-            optimizer=optimizer,
-            mixed_precision=MIXED.get(autocast),
             adaptive=False,
             profile_repeats=repeats,
+            run=RunFacts(optimizer=optimizer, mixed_precision=MIXED.get(autocast)),
         )
         session = AdaccSession(model, config)
         session.setup(batches[0])

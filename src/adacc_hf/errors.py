@@ -21,3 +21,8 @@ class AlreadyAppliedError(AdaccError):
 
 class BudgetError(AdaccError, ValueError):
     """A memory budget is malformed, or no policy fits in it."""
+
+
+class AdaccFutureWarning(FutureWarning):
+    """An old way of passing or reading an option that works for one more release: a fact of the
+    run passed as an option, or an option read by its flat name off `AdaccConfig`."""

@@ -27,6 +27,7 @@ from common import kinds, write
 
 from adacc_hf import assets, estimate_static_memory, profile_model
 from adacc_hf.engine.coordinator import Coordinator
+from adacc_hf.engine.facts import RunFacts
 from adacc_hf.engine.session import AdaccConfig, AdaccSession
 from adacc_hf.engine.shapes import shape_key
 from adacc_hf.schema import Profile
@@ -67,7 +68,11 @@ def run(accel: Accelerator, phase: str, args: argparse.Namespace) -> None:
     static = estimate_static_memory(model, optimizer="sgd")
     budget = budget_between(profile, static, 0.4)
     cfg = AdaccConfig(
-        budget=budget, codecs=[CODEC], adaptive=True, optimizer="sgd", max_codec_error=0.3
+        budget=budget,
+        codecs=[CODEC],
+        adaptive=True,
+        max_codec_error=0.3,
+        run=RunFacts(optimizer="sgd"),
     )
     key = shape_key(batch, encoder_decoder=False)
     assert key[1] == SEQ_LEN, key  # else the session would profile a padded batch itself

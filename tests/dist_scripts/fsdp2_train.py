@@ -72,7 +72,7 @@ def run(phase: str, args: argparse.Namespace) -> None:
             "kinds": kinds(session.policy),
             "summary": session.policy.summary(),
             "unknown_ops": sorted(session.handle.unknown_ops),
-            "sharding": {"fsdp": cfg.fsdp, "world_size": cfg.world_size},
+            "sharding": {"fsdp": cfg.run.fsdp, "world_size": cfg.run.world_size},
             "sharded_params": all(isinstance(p, DTensor) for p in model.parameters()),
         }
         session.close()

@@ -192,12 +192,12 @@ def run(engine: str, args: argparse.Namespace) -> None:
     static = session.static
     # The plan fits the worst rank (ZeRO-2: the last, whose gradient partition comes first); this
     # rank's own prediction runs the engine rules for it.
-    own = estimate_static_memory(module, **session.config.static_options(), rank=r)
+    own = estimate_static_memory(module, **session.config.run.static_options(), rank=r)
     report = {
         "engine": engine,
         "rank": r,
         "world_size": n,
-        "sharding": {k: v for k, v in session.config.static_options().items() if k in fields},
+        "sharding": {k: v for k, v in session.config.run.static_options().items() if k in fields},
         "budget_nbytes": budget,
         "predicted_nbytes": pred["peak_nbytes"],
         "predicted_moment": pred["peak_moment"],

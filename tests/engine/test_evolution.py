@@ -9,6 +9,7 @@ import torch
 from adacc_hf import assets, estimate_static_memory, measure_step_peak, profile_model
 from adacc_hf.codecs import get_codec
 from adacc_hf.engine.config import AdaccConfig
+from adacc_hf.engine.facts import RunFacts
 from adacc_hf.engine.session import AdaccSession
 from adacc_hf.engine.shapes import shape_key
 from adacc_hf.evolution import (
@@ -59,10 +60,10 @@ def _setup(adaptive: bool, max_codec_error: float = 0.3, max_grad_error: float |
         budget=budget,
         codecs=["int4_naive"],
         adaptive=adaptive,
-        optimizer="sgd",
         max_codec_error=max_codec_error,
         max_grad_error=max_grad_error,
         head="full",  # the budget was placed between the full head's extremes
+        run=RunFacts(optimizer="sgd"),
     )
     session = AdaccSession(model, cfg, profiles={shape_key(batch, False): prof})
     session.setup(batch)
@@ -215,7 +216,9 @@ def test_tracking_measures_only_codecs_the_solver_could_choose():
                 c.encode_ms = op.fwd_ms + 1.0
     static = estimate_static_memory(model, optimizer="sgd")
     budget = budget_between(prof, static, 0.5)
-    cfg = AdaccConfig(budget=budget, codecs=["int4_naive"], optimizer="sgd", head="full")
+    cfg = AdaccConfig(
+        budget=budget, codecs=["int4_naive"], head="full", run=RunFacts(optimizer="sgd")
+    )
     session = AdaccSession(model, cfg, profiles={shape_key(batch, False): prof})
     session.setup(batch)
     session.on_step_begin(1)
@@ -252,7 +255,7 @@ def test_tracking_the_profiled_batch_moves_no_codec_size(family, overrides):
     static = estimate_static_memory(model, optimizer="sgd")
     cfg = AdaccConfig(
         budget=budget_between(prof, static, 0.5), codecs=["int4_naive", "int4_channel"],
-        optimizer="sgd", head="full",
+        head="full", run=RunFacts(optimizer="sgd"),
     )  # fmt: skip
     session = AdaccSession(model, cfg, profiles={shape_key(batch, False): prof})
     session.setup(batch)
@@ -295,8 +298,8 @@ def test_tracking_steps_stay_within_the_budget(family):
         model = assets.tiny_model(family, seed=0, **layers)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         cfg = AdaccConfig(
-            budget=budget, codecs=codecs, optimizer="adamw_torch", mixed_precision="bf16",
-            max_codec_error=0.5, head="full",
+            budget=budget, codecs=codecs, max_codec_error=0.5, head="full",
+            run=RunFacts(optimizer="adamw_torch", mixed_precision="bf16"),
         )  # fmt: skip
         session = AdaccSession(model, cfg, profiles={shape_key(batch, False): prof})
         session.setup(batch)

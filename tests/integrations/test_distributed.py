@@ -36,7 +36,7 @@ from conftest import random_policy
 
 from adacc_hf import assets, estimate_static_memory, profile_model, uniform_policy
 from adacc_hf.engine import coordinator, sharding
-from adacc_hf.engine.config import AdaccConfig
+from adacc_hf.engine.facts import RunFacts
 from adacc_hf.errors import AdaccError
 from adacc_hf.solver import budget_between
 
@@ -209,7 +209,7 @@ def test_sharding_fields_come_from_trainer_args_and_sharded_models():
     assert sharding.sharding_from_trainer(ds)["zero_buckets"] == 0  # no bucket buffers
     for bad in (-1, 2.5, True, "5e8"):
         with pytest.raises(AdaccError, match="zero_buckets"):
-            AdaccConfig(zero_buckets=bad)
+            RunFacts(zero_buckets=bad)
     model = assets.tiny_model("llama")
     assert sharding.sharding_from_model(model) == {}
     # Outside a process group: identity, no collectives.

@@ -275,7 +275,7 @@ def test_prepare_before_accelerate_plans_under_its_mixed_precision(caplog):
         session = prepare(model, budget, short, optimizer=opt, **QUICK)
         assert session.autocast == bf16
         assert session.current.profile.autocast == str(bf16)
-        assert session.config.optimizer == "adamw_torch"  # read off the object
+        assert session.config.run.optimizer == "adamw_torch"  # read off the object
         wrapped, opt = accelerator.prepare(model, opt)
         for _ in range(2):
             accelerator.backward(wrapped(**short).loss)
@@ -345,7 +345,6 @@ def test_adacc_options_without_adacc_warn(caplog):
 def test_trl_sft_trainer_plans_the_longer_batch_within_budget(tmp_path):
     """TRL's `SFTTrainer` with the callback: its `max_length` (the long batch) is planned before
     the first step, the short bucket when it comes; TRL's own LM head and bf16 autocast."""
-    import dataclasses
 
     import test_trl as t
 
@@ -373,10 +372,10 @@ def test_trl_sft_trainer_plans_the_longer_batch_within_budget(tmp_path):
     long = {**batches[1], **t.TRL_KWARGS}
     bf16 = t.amp(args)
     budget = long_budget(model, long, str(args.optim.value), bf16, "bf16")
-    callback.config = dataclasses.replace(callback.config, budget=budget)
+    callback.config = callback.config.replace(budget=budget)
     peaks = train_metered(trainer, model)
     session = adacc_session(trainer)
-    assert session.config.max_seq_len == 64
+    assert session.config.memory.max_seq_len == 64
     check_plans(
         session, peaks, budget, lambda p: step_peak(model, p, long, trainer.optimizer, bf16)
     )

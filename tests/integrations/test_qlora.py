@@ -16,7 +16,6 @@ by default; the runs that train are marked slow.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -281,7 +280,7 @@ def test_sft_trainer_with_the_callback_meets_its_predictions(dense_dir, tmp_path
     )
     longest = max(trainer.get_train_dataloader(), key=lambda b: b["input_ids"].numel())
     budget = budget_at(model, {**longest, **t.TRL_KWARGS}, str(args.optim.value))
-    callback.config = dataclasses.replace(callback.config, budget=budget)
+    callback.config = callback.config.replace(budget=budget)
     measured, predicted = train_metered(trainer, model, callback)
     check_steps(measured, predicted, budget)
 

@@ -161,7 +161,7 @@ def test_callback_works_with_plain_training_arguments_and_resumes(tmp_path):
     )
     trainer.train()
     assert cb.session is not None and cb.session.policy is not None
-    assert cb.session.config.optimizer == trainer.args.optim.value  # read off the run
+    assert cb.session.config.run.optimizer == trainer.args.optim.value  # read off the run
     with apply_adacc(model, cb.session.policy):
         peak = measure_step_peak(model, batch, trainer.optimizer).peak_nbytes
     assert peak <= budget
@@ -212,7 +212,7 @@ def test_arguments_from_the_command_line_and_bad_combinations(tmp_path):
         ]
     )
     assert args.adacc and args.adacc_budget == "20GiB"
-    assert args.adacc_config().codecs == ["int4_outlier", "bitpack"]
+    assert args.adacc_config().compression.codecs == ["int4_outlier", "bitpack"]
     assert args.ddp_find_unused_parameters is False
     # What is logged and saved shows the user's report_to, not the integration's name.
     assert json.loads(args.to_json_string())["report_to"] == []
@@ -264,7 +264,7 @@ def test_8bit_adamw_trains_and_static_memory_accounts_for_it(tmp_path, lora):
     batch = assets.tiny_batch("llama", assets.tiny_config("llama"))
     budget = mixed_budget(model, batch)
     args = _args(tmp_path, budget, optim="adamw_bnb_8bit", save_strategy="no")
-    assert run_config(args.adacc_config(), args).optimizer == "adamw_bnb_8bit"
+    assert run_config(args.adacc_config(), args).run.optimizer == "adamw_bnb_8bit"
     trainer = Trainer(model=model, args=args, train_dataset=Rows(batch))
     trainer.train()
     session = _session(trainer)
@@ -377,7 +377,7 @@ def test_torch_compile_trains_the_solved_policy_compiled(tmp_path):
         save_strategy="no",
         adacc_adaptive=False,
     )
-    assert args.adacc_config().compile == "aot_eager"
+    assert args.adacc_config().compilation.compile == "aot_eager"
     with pytest.raises(AdaccError, match="offload has no compiled form"):
         _args(tmp_path, budget, torch_compile=True, adacc_offload=True).adacc_config()
     counters.clear()
@@ -406,7 +406,8 @@ def test_torch_compile_trains_the_solved_policy_compiled(tmp_path):
 def test_old_option_names_still_work_with_a_warning_and_every_option_is_named_after_its_field():
     import dataclasses
 
-    from adacc_hf.engine.config import AdaccConfig
+    from adacc_hf import AdaccConfig
+    from adacc_hf.engine.options import OPTION_GROUP
     from adacc_hf.integrations.arguments import RENAMED
 
     with pytest.warns(FutureWarning, match="adacc_memory_budget is renamed adacc_budget"):
@@ -418,8 +419,10 @@ def test_old_option_names_still_work_with_a_warning_and_every_option_is_named_af
         AdaccTrainingArguments(
             output_dir="out", adacc=True, adacc_budget="2GiB", adacc_memory_budget="3GiB"
         )
-    # one name per option: adacc_<AdaccConfig field>, or a Trainer argument it comes from
-    config_fields = {f.name for f in dataclasses.fields(AdaccConfig)}
+    # one name per option: every adacc_* flag is adacc_<a group's field>
     for f in dataclasses.fields(AdaccTrainingArguments):
         if f.name.startswith("adacc_") and f.name not in RENAMED and f.name != "adacc_policy":
-            assert f.name[len("adacc_") :] in config_fields, f.name
+            assert f.name[len("adacc_") :] in {*OPTION_GROUP, "budget"}, f.name
+    # and each flag fills its option, with the option's own default
+    config = AdaccTrainingArguments(output_dir="out", adacc=True, use_cpu=True).adacc_config()
+    assert config == AdaccConfig()

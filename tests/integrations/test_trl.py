@@ -134,13 +134,13 @@ def train_and_check(tmp_path, caplog, key_of_longest, **config):
         callbacks=[callback],
     )
     budget = budget_for(model, trainer, key_of_longest)
-    callback.config = dataclasses.replace(callback.config, budget=budget)
+    callback.config = callback.config.replace(budget=budget)
     seen: list[tuple] = []
     batches: dict[tuple, dict] = {}
 
     def record(module, a, kwargs):  # the run's own forwards, not profiling's (a tiny bucket)
         if module.training and "labels" in kwargs and not callback.session.ctx.planning:
-            key = shape_key(kwargs, False, callback.session.config.max_seq_len)
+            key = shape_key(kwargs, False, callback.session.config.memory.max_seq_len)
             seen.append(key)
             batches.setdefault(key, {k: v for k, v in kwargs.items()})
 
@@ -172,7 +172,7 @@ def test_sft_trainer_with_dynamic_padding_trains_within_budget(tmp_path, caplog)
     """Dynamic padding (TRL's collator pads each batch to its longest row): the longest bucket
     (TRL's max_length) is planned before the first step, each length bucket when it comes."""
     _, session, seen = train_and_check(tmp_path, caplog, (2, 64, 1))
-    assert session.config.max_seq_len == 64
+    assert session.config.memory.max_seq_len == 64
     assert all(k[0] == 2 for k in seen)
 
 
@@ -183,7 +183,7 @@ def test_sft_trainer_padding_free_packing_trains_within_budget(tmp_path, caplog)
     per_device_train_batch_size x max_length tokens and is planned before the first step."""
     trainer, session, seen = train_and_check(tmp_path, caplog, (1, 128, 1), packing=True)
     assert trainer.padding_free
-    assert session.config.max_seq_len == 2 * 64
+    assert session.config.memory.max_seq_len == 2 * 64
     assert seen and all(k[0] == 1 and k[-1] == 1 for k in seen), seen
 
 
@@ -218,7 +218,7 @@ def test_sft_trainer_steps_count_the_batch_the_loader_fetches_ahead(tmp_path):
     first = next(iter(trainer.get_train_dataloader()))
     assert first["input_ids"].shape == (rows, length)  # at the bucket's edge
     budget = budget_for(model, trainer, (rows, length, 1))
-    callback.config = dataclasses.replace(callback.config, budget=budget)
+    callback.config = callback.config.replace(budget=budget)
     measured, planned = train_metered(trainer, model, callback)
     pairs = list(zip(measured, planned, strict=True))
     print(f"budget {budget}: measured, predicted {pairs}")

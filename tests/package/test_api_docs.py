@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import adacc_hf
+from adacc_hf.engine.options import GROUPS, OPTION_GROUP
 
 HEADER = re.compile(r"^(\w[\w ]*):\s*$")
 #: An entry of a section: ``name: text``, ``name (type): text`` or ``*args, **kwargs: text``.
@@ -114,12 +115,46 @@ def test_documents_every_argument(name):
     assert problems(API[name]) == [], name
 
 
-def test_config_fields_are_documented():
-    doc = inspect.getdoc(adacc_hf.AdaccConfig)
-    listed = documented(sections(doc).get("Attributes", ""))
-    fields = [f.name for f in dataclasses.fields(adacc_hf.AdaccConfig)]
+def _attributes(cls: type) -> set[str]:
+    return documented(sections(inspect.getdoc(cls)).get("Attributes", ""))
+
+
+@pytest.mark.parametrize(
+    "cls", [*GROUPS.values(), adacc_hf.RunFacts, adacc_hf.AdaccConfig], ids=lambda c: c.__name__
+)
+def test_every_option_and_fact_is_documented_in_its_group(cls):
+    """Each group's ``Attributes:`` documents every field it has and no other, with its type and
+    default (``name (type, default X): ...``), and the group has an ``Example:``."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    listed = _attributes(cls)
     assert [f for f in fields if f not in listed] == []
     assert listed <= set(fields), "documented fields that do not exist"
+    doc = inspect.getdoc(cls)
+    assert "Example" in sections(doc), cls.__name__
+    if cls is not adacc_hf.AdaccConfig:
+        for name in fields:
+            assert re.search(rf"^    {name} \([^)]*default [^)]*\): ", doc, re.M), name
+
+
+def entries(body: str) -> dict[str, str]:
+    """A section's entries: name -> its text (continuation lines included)."""
+    out: dict[str, str] = {}
+    for line in body.splitlines():
+        m = ENTRY.match(line)
+        if m:
+            name = m.group(1)
+            out[name] = line[m.end() :]
+        elif out:
+            out[name] += " " + line.strip()
+    return out
+
+
+def test_the_config_groups_are_its_attributes_and_name_their_options():
+    """`AdaccConfig`'s entry for each group lists the options the group holds."""
+    found = entries(sections(inspect.getdoc(adacc_hf.AdaccConfig))["Attributes"])
+    for attr, cls in GROUPS.items():
+        for f in dataclasses.fields(cls):
+            assert f"``{f.name}``" in found[attr], (attr, f.name)
 
 
 def test_training_arguments_fields_match_their_help():
@@ -174,17 +209,18 @@ def test_help_reads_as_a_reference():
         assert f"\n{section}\n" in text
 
 
-def test_the_typed_keywords_are_the_config_fields():
-    """`prepare(**config)` and `AdaccCallback(**options)` are typed by `engine.options`: its keys
-    are `AdaccConfig`'s fields, one name each (prepare names four of them itself)."""
-    import dataclasses
-    import inspect
+def test_the_typed_keywords_are_the_group_fields():
+    """`prepare(**options)`, `AdaccCallback(**options)` and `AdaccConfig(**options)` are typed by
+    `engine.options`: its keys are the groups' fields, one name each, of the same type (prepare
+    names four options itself, and the facts it reads off the run are no keys)."""
+    from adacc_hf import prepare
+    from adacc_hf.engine.options import AdaccOptions, FlatOptions, SessionOptions
 
-    from adacc_hf import AdaccConfig, prepare
-    from adacc_hf.engine.options import AdaccOptions, SessionOptions
-
-    fields = {f.name for f in dataclasses.fields(AdaccConfig)}
-    assert set(AdaccOptions.__optional_keys__) == fields
-    own = set(inspect.signature(prepare).parameters) & fields
+    types = {f.name: f.type for cls in GROUPS.values() for f in dataclasses.fields(cls)}
+    assert set(FlatOptions.__optional_keys__) == set(types) == set(OPTION_GROUP)
+    assert set(AdaccOptions.__optional_keys__) == set(types) | {"budget"}
+    own = set(inspect.signature(prepare).parameters) & set(AdaccOptions.__optional_keys__)
     assert own == {"budget", "codecs", "adaptive", "auto_batch_size"}
-    assert set(SessionOptions.__optional_keys__) == fields - own
+    assert set(SessionOptions.__optional_keys__) == set(types) - own
+    for name, hint in FlatOptions.__annotations__.items():
+        assert getattr(hint, "__forward_arg__", hint) == types[name], name

@@ -339,10 +339,11 @@ def test_under_inductor_the_compiled_profile_predicts_what_the_eager_one_missed(
 
 def test_compile_plans_without_offload_and_says_what_conflicts():
     cfg = AdaccConfig(compile=True)
-    assert (cfg.compile, cfg.offload) == ("inductor", False)
-    assert cfg.codecs == AdaccConfig().codecs  # compression is planned under compile too
-    assert AdaccConfig(compile="inductor", codecs=["int4_outlier"]).codecs == ["int4_outlier"]
-    assert AdaccConfig(compile=False).compile is None
+    assert (cfg.compilation.compile, cfg.offloading.offload) == ("inductor", False)
+    assert cfg.compression == AdaccConfig().compression  # compression is planned under compile
+    cfg = AdaccConfig(compile="inductor", codecs=["int4_outlier"])
+    assert cfg.compression.codecs == ["int4_outlier"]
+    assert AdaccConfig(compile=False).compilation.compile is None
     with pytest.raises(AdaccError, match="offload has no compiled form"):
         AdaccConfig(compile="inductor", offload=True)
     with pytest.raises(AdaccError, match="backend name"):

@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 from adacc_hf import apply_adacc, assets, measure_step_peak, prepare, profile_model, uniform_policy
 from adacc_hf.codecs import get_codec, relative_error
 from adacc_hf.engine.config import AdaccConfig
+from adacc_hf.engine.facts import RunFacts
 from adacc_hf.engine.session import AdaccSession
 from adacc_hf.errors import BudgetError
 from adacc_hf.runtime.peak import AllocationTracker, live_state_nbytes
@@ -343,7 +344,7 @@ def test_kept_dropout_masks_hold_their_generator_state_in_the_prediction():
     keeping = 0
     for fraction in (0.6, 0.9):
         budget = budget_between(prof, static, fraction)
-        config = AdaccConfig(budget=budget, adaptive=False, optimizer="adamw_torch")
+        config = AdaccConfig(budget=budget, adaptive=False, run=RunFacts(optimizer="adamw_torch"))
         policy = AdaccSession(model, config).solver.solve_measured(copy.deepcopy(prof), probes)
         session = AdaccSession(model, config, policy=policy)
         session.setup(batch)

@@ -597,10 +597,10 @@ def test_trainer_8bit_optimizer_keeps_embedding_states_in_fp32_and_the_estimate_
     opt.step()
     measured = measured_static_memory(model, opt)
     cfg = run_config(AdaccConfig(), args)
-    assert cfg.fp32_embeddings and cfg.optimizer == "adamw_bnb_8bit"
-    est = estimate_static_memory(model, optimizer=cfg.optimizer, fp32_embeddings=True)
+    assert cfg.run.fp32_embeddings and cfg.run.optimizer == "adamw_bnb_8bit"
+    est = estimate_static_memory(model, optimizer=cfg.run.optimizer, fp32_embeddings=True)
     assert est.total == measured
-    assert estimate_static_memory(model, optimizer=cfg.optimizer).total < measured
+    assert estimate_static_memory(model, optimizer=cfg.run.optimizer).total < measured
 
 
 def test_zero_and_fsdp_divide_by_world_size():

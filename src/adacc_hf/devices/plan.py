@@ -171,6 +171,7 @@ def plan_for_device(
             still modelled).
     """
     from ..engine.config import AdaccConfig
+    from ..engine.facts import RunFacts
     from ..engine.guard import MARGIN
     from ..engine.session import AdaccSession
     from ..profiler import profile_model
@@ -202,14 +203,14 @@ def plan_for_device(
             adaptive=False,
             head=head,
             offload=offload,
-            optimizer=optimizer,
             profile_repeats=1,
+            run=RunFacts(optimizer=optimizer),
         )
         profile = profile_model(
             model,
             batch,
             codecs=codecs,
-            codec_params=cfg.codec_params(),
+            codec_params=cfg.compression.codec_params(),
             repeats=1,
             warmup=0,
             probes=probes,

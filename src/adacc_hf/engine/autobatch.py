@@ -19,7 +19,6 @@ backward). Predicted tokens/s = ``micro_batch * length / step`` (the bucket's le
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import time
@@ -38,7 +37,8 @@ from ..runtime.peak import forward_loss
 from ..schema import Profile
 from ..solver import least_memory_policy
 from ..units import fmt_bytes
-from .config import AdaccConfig, detect_autocast
+from .config import AdaccConfig
+from .facts import detect_autocast
 from .oom import first_line, release
 from .plans import AdaccEvent
 from .session import AdaccSession
@@ -204,7 +204,7 @@ def choose_micro_batch(
         raise AdaccError(f"auto micro-batch: the global batch must be >= 1, got {global_batch}")
     model.train()
     device = next(model.parameters()).device
-    autocast = config.autocast or detect_autocast(device)
+    autocast = config.run.autocast or detect_autocast(device)
     profiles = profiles if profiles is not None else {}
     static = None
     planned: list[tuple[Candidate, Policy, Profile, ShapeKey, dict[str, Any], Policy]] = []
@@ -215,7 +215,7 @@ def choose_micro_batch(
         acc = global_batch // mb
         cand = Candidate(mb, acc)
         cands.append(cand)
-        cfg = dataclasses.replace(config, gradient_accumulation_steps=acc, adaptive=False)
+        cfg = config.with_run(gradient_accumulation_steps=acc).replace(adaptive=False)
         session = AdaccSession(model, cfg, profiles=profiles)
         session.autocast = autocast
         session.static = static

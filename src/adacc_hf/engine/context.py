@@ -43,7 +43,7 @@ class SessionContext:
         self.model = model
         self.config = config
         self.coordinator = coordinator
-        self.autocast: torch.dtype | None = config.autocast
+        self.autocast: torch.dtype | None = config.run.autocast
         self.static: StaticMemory | None = None
         self.budget_nbytes: int | None = None
         # Kept free below the budget by every plan after out-of-memory errors (`oom`).
@@ -64,7 +64,7 @@ class SessionContext:
     def static_memory(self) -> StaticMemory:
         """The step's static memory (weights, gradients, optimizer states), computed once."""
         if self.static is None:
-            self.static = estimate_static_memory(self.model, **self.config.static_options())
+            self.static = estimate_static_memory(self.model, **self.config.run.static_options())
         return self.static
 
     def budget(self) -> int:

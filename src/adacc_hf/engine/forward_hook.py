@@ -35,7 +35,7 @@ def install_planning_hook(session: Any) -> Any:
         session.oom.check()
         if any(getattr(p.quant_state, "packing_format_for_cpu", False) for p in quantized):
             check_trainable(model)  # bitsandbytes' inference repack: no backward
-        if session.config.autocast is None and not session.fixed:
+        if session.config.run.autocast is None and not session.fixed:
             session.planner.follow_autocast()
         with own_eager_runs():
             if session.current is None or not session.active:

@@ -23,8 +23,8 @@ from ..profiler.phases import format_phases, recording
 from ..runtime.context import outside_autocast
 from ..schema import Profile
 from ..solver import budget_window
-from .config import detect_autocast
 from .context import SessionContext
+from .facts import detect_autocast
 from .guard import ReservedGuard
 from .plans import AdaccEvent, Plan
 from .profiles import ProfileStore, serves
@@ -77,7 +77,7 @@ class Planner:
         if plain_model(ctx.model) is not None:  # never padded: each shape as it comes
             return ctx.coordinator.agree(exact_key(batch))
         encoder_decoder = bool(getattr(getattr(ctx.model, "config", None), "is_encoder_decoder", 0))
-        key = shape_key(batch, encoder_decoder, ctx.config.max_seq_len)
+        key = shape_key(batch, encoder_decoder, ctx.config.memory.max_seq_len)
         return ctx.coordinator.agree(key)
 
     def step_ended(self, step: int, guard: bool) -> None:
@@ -99,10 +99,10 @@ class Planner:
         front so a budget too small for it fails at once; None where nothing is stretched (no
         ``max_seq_len``, a fixed policy, a plain model's exact shapes)."""
         ctx = self.ctx
-        if not ctx.config.max_seq_len or self.fixed or plain_model(ctx.model) is not None:
+        if not ctx.config.memory.max_seq_len or self.fixed or plain_model(ctx.model) is not None:
             return None
         key = self.key_of(batch)
-        return (key[0], *(max(k, ctx.config.max_seq_len) for k in key[1:-1]), key[-1])
+        return (key[0], *(max(k, ctx.config.memory.max_seq_len) for k in key[1:-1]), key[-1])
 
     def plan(self, batch: Mapping[str, Any], key: ShapeKey | None = None) -> Plan:
         """The plan of `batch`'s bucket: profiled (on `batch` padded to the bucket's edge) and
@@ -128,7 +128,7 @@ class Planner:
         room = store.profiling_room(batch)
         if plan is not None:
             profile = plan.profile
-        elif key in store.profiles and serves(store.profiles[key], ctx.config.head):
+        elif key in store.profiles and serves(store.profiles[key], ctx.config.solving.head):
             profile = store.profiles[key]
         else:
             profile, probes = store.profile_bucket(batch, key, room)
@@ -153,7 +153,7 @@ class Planner:
                 )
         policy.metadata["shape_key"] = list(key)
         if not self.plans and ctx.coordinator.leader:  # the run's first plan: the range
-            acc, head = ctx.config.gradient_accumulation_steps, ctx.config.head
+            acc, head = ctx.config.run.gradient_accumulation_steps, ctx.config.solving.head
             window = budget_window(profile, ctx.static_memory(), ctx.budget(), acc, head)
             logger.info("adacc %s", window)
         plan = self.plans[key] = Plan(key, policy, profile, reserve_nbytes=reserve)

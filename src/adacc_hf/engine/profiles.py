@@ -56,7 +56,7 @@ class ProfileStore:
         self._saved_source = ""
         # buckets whose interpolated memory a step disproved (`guard.DerivedCheck`): measured
         self.full_memory: set[ShapeKey] = set()
-        source = ctx.config.profile_from
+        source = ctx.config.tracking.profile_from
         if source not in (None, "none"):
             self.reuse_profiles(read_profiles(source), source)
 
@@ -117,7 +117,7 @@ class ProfileStore:
             logger.info(
                 "adacc: profiling bucket %s (one block per group, %d timed runs per op%s)...",
                 key_text(key),
-                self.ctx.config.profile_repeats,
+                self.ctx.config.solving.profile_repeats,
                 f"; memory from {key_text(outer)}" if outer else "",
             )
         if outer is None:
@@ -195,17 +195,17 @@ class ProfileStore:
             return profile_model(
                 self.ctx.model,
                 sample,
-                codecs=self.ctx.config.codecs,
-                codec_params=self.ctx.config.codec_params(),
-                repeats=self.ctx.config.profile_repeats,
+                codecs=self.ctx.config.compression.codecs,
+                codec_params=self.ctx.config.compression.codec_params(),
+                repeats=self.ctx.config.solving.profile_repeats,
                 autocast=self.ctx.autocast,
                 reference=near,
                 probes=probes,
                 room=None if room is None else max(0, room - storage_nbytes(sample.values())),
-                head=self.ctx.config.head,
+                head=self.ctx.config.solving.head,
                 memory=memory,
-                compile=self.ctx.config.compile,
-                codec_backends=self.ctx.config.codec_backends,
+                compile=self.ctx.config.compilation.compile,
+                codec_backends=self.ctx.config.compression.codec_backends,
             )
 
     def reuse_profiles(self, profiles: list[Profile], source: str) -> None:
@@ -225,12 +225,12 @@ class ProfileStore:
             run = run_fingerprint(
                 self.ctx.model,
                 self.ctx.autocast,
-                c.codecs,
-                c.codec_params(),
-                c.compile,
-                c.codec_backends,
+                c.compression.codecs,
+                c.compression.codec_params(),
+                c.compilation.compile,
+                c.compression.codec_backends,
             )
-            now = {**run, "heads": c.head, **now}
+            now = {**run, "heads": c.solving.head, **now}
             bucket = [
                 p for p in self.saved_profiles if p.fingerprint.get("bucket") == now["bucket"]
             ]

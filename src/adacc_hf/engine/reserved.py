@@ -66,13 +66,13 @@ class ReservedFit:
     def _build(self) -> Any:
         """This session's `devices.live.ReservedModel`, or None where nothing is modelled."""
         c = self.ctx.config
-        kind = allocator_modelled(c.allocator, self.ctx.device)
+        kind = allocator_modelled(c.memory.allocator, self.ctx.device)
         if kind is None:
             return None
         why = None
-        if c.world_size > 1 or c.fsdp or c.zero_stage or c.ddp:
+        if c.run.world_size > 1 or c.run.fsdp or c.run.zero_stage or c.run.ddp:
             why = "a run of several ranks or sharded"
-        elif c.compile:
+        elif c.compilation.compile:
             why = "a compiled run"
         if why is not None:
             logger.info("adacc: reserved memory not modelled for %s: the guard is left", why)
@@ -80,7 +80,7 @@ class ReservedFit:
         from ..devices.live import ReservedModel
 
         model = unwrap_model(self.ctx.model)
-        return ReservedModel(model, kind == "expandable", c.optimizer, self.ctx.autocast)
+        return ReservedModel(model, kind == "expandable", c.run.optimizer, self.ctx.autocast)
 
     def fit(
         self,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict
 from typing import Any
 
 from torch import nn
@@ -25,9 +24,10 @@ from ..runtime import AdaccHandle, apply_adacc
 from ..runtime.allocator import use_expandable_segments
 from ..runtime.plain import check_forward
 from ..schema import Profile
-from .config import AdaccConfig, detect_autocast
+from .config import AdaccConfig
 from .context import SessionContext
 from .coordinator import Coordinator, coordinator_for_process
+from .facts import detect_autocast
 from .forward_hook import install_planning_hook
 from .guard import ReservedGuard
 from .planner import Planner
@@ -215,7 +215,7 @@ class AdaccSession:
                 check_forward(ctx.model, batch)
         if ctx.autocast is None:
             ctx.autocast = detect_autocast(ctx.device, ctx.model if forward else None)
-        use_expandable_segments(ctx.config.expandable_segments)
+        use_expandable_segments(ctx.config.memory.expandable_segments)
         longest = self.planner.longest_key(batch)
         if longest is not None:
             self.planner.plan(batch, longest)
@@ -378,6 +378,6 @@ class AdaccSession:
         """
         return {
             "schedule": self.schedule.state_dict(),
-            "config": asdict(self.config),
+            "config": self.config.to_dict(),
             "step": self.step,
         }

@@ -1,8 +1,9 @@
 """Sharding read off a run, for the static memory model (per-device budgets).
 
 `sharding_from_trainer` / `sharding_from_accelerate` / `sharding_from_model` return the
-`AdaccConfig` fields that matter (ZeRO stage, FSDP, DDP, world size, optimizer offload, DeepSpeed's
-fp32 master weights) as `dataclasses.replace` keywords; empty when a single process trains.
+`RunFacts` fields that matter (ZeRO stage, FSDP, DDP, world size, optimizer offload, DeepSpeed's
+fp32 master weights) as keywords; empty when a single process trains. `facts.RunFacts` reads them
+off the run (`from_training_args`, `from_loop`).
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def _fsdp_fields(reshard: Any, offload: bool, n: int) -> dict[str, Any]:
 
 
 def sharding_from_trainer(args: Any) -> dict[str, Any]:
-    """`AdaccConfig` sharding fields of a `TrainingArguments` run (DeepSpeed config, FSDP options,
-    or an Accelerate launch config), as `dataclasses.replace` keywords. Empty when not sharded."""
+    """`RunFacts` sharding fields of a `TrainingArguments` run (DeepSpeed config, FSDP options,
+    or an Accelerate launch config), as keywords. Empty when not sharded."""
     n = max(1, int(getattr(args, "world_size", 1) or 1))
     hf_ds = getattr(args, "hf_deepspeed_config", None)
     fsdp_config = getattr(args, "fsdp_config", None) or {}

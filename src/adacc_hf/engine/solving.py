@@ -47,10 +47,10 @@ class BucketSolver:
         """The host link plans may offload over (measured once per session), or None where the
         config keeps offload off on this device."""
         device = next(self.ctx.model.parameters()).device
-        if not self.ctx.config.offloads_on(device):
+        if not self.ctx.config.offloading.offloads_on(device):
             return None
         if self._link is None:
-            self._link = measure_link(device, self.ctx.config.host_cap_nbytes())
+            self._link = measure_link(device, self.ctx.config.offloading.host_cap_nbytes())
         return self._link
 
     def solve(
@@ -61,34 +61,38 @@ class BucketSolver:
         also the room its tracking steps measure codecs in), its blocks' gradient error bounded
         by `max_grad_error` (default: the config's)."""
         c, static = self.ctx.config, self.ctx.static_memory()
-        acc = c.gradient_accumulation_steps
+        acc, head, codecs = c.run.gradient_accumulation_steps, c.solving.head, c.compression
         budget = self.ctx.budget()
         reserve += self.ctx.oom_reserve_nbytes
         profile.offload = self.offload_link()
 
         def solve(kept_free: int) -> Policy:
-            planned = planned_budget(budget, static, profile, c.headroom, acc, c.head, kept_free)
+            planned = planned_budget(
+                budget, static, profile, c.memory.headroom, acc, head, kept_free
+            )
             return solve_policy(
                 profile,
                 planned,
                 static_nbytes=static,
-                codecs=c.codecs,
-                max_rel_error=c.max_codec_error,
-                max_grad_error=c.max_grad_error if max_grad_error is None else max_grad_error,
-                solver=c.solver,
-                time_limit_s=c.solver_time_limit,
-                split_blocks=c.split_blocks,
+                codecs=codecs.codecs,
+                max_rel_error=codecs.max_codec_error,
+                max_grad_error=codecs.max_grad_error if max_grad_error is None else max_grad_error,
+                solver=c.solving.solver,
+                time_limit_s=c.solving.solver_time_limit,
+                split_blocks=c.solving.split_blocks,
                 accumulation=acc,
-                head=c.head,
+                head=head,
             )
 
         policy, need = solve(reserve), 0
-        if c.adaptive:  # room for the rectifier to re-measure the lossy codecs the plan runs
+        if (
+            c.tracking.adaptive
+        ):  # room for the rectifier to re-measure the lossy codecs the plan runs
             need = min(tracking_need(profile, policy), tracking_room_cap(budget, static))
             peak = policy.metadata.get("predicted", {}).get("peak_nbytes")
             if need and peak is not None and budget - reserve - peak < need:
                 policy = solve(reserve + need)
-        headroom = headroom_for(profile) if c.headroom is None else c.headroom
+        headroom = headroom_for(profile) if c.memory.headroom is None else c.memory.headroom
         policy.metadata.update(
             budget_spec=str(c.budget), budget_nbytes=budget, headroom=headroom, tracking_nbytes=need
         )
@@ -100,7 +104,7 @@ class BucketSolver:
         c = self.ctx.config
         profile.offload = self.offload_link()
         policy = least_memory_policy(
-            profile, self.ctx.static_memory(), c.gradient_accumulation_steps, c.head
+            profile, self.ctx.static_memory(), c.run.gradient_accumulation_steps, c.solving.head
         )
         policy.metadata.update(budget_spec=str(c.budget), budget_nbytes=self.ctx.budget())
         return self._compiled(policy)
@@ -120,7 +124,7 @@ class BucketSolver:
         predicts it from single-op errors in quadrature) scales the bound down by the miss.
         Planned for compile, with the profiled `batch`: the policy's whole step is measured
         compiled too (`_measure_plan`)."""
-        bound = self.ctx.config.max_grad_error
+        bound = self.ctx.config.compression.max_grad_error
         with phase("solve"):
             policy = self.ctx.coordinator.share(lambda: self.solve(profile, reserve, bound))
         for attempt in range(3 if probes else 0):
@@ -128,7 +132,7 @@ class BucketSolver:
             with self.ctx.own_forwards(), phase("policy_error"):
                 err = policy_block_error(probes, policy, self.ctx.autocast) if bound else 0.0
             policy.metadata["measured_grad_error"] = err
-            limit = self.ctx.config.max_grad_error
+            limit = self.ctx.config.compression.max_grad_error
             if limit is not None and bound and err > 1.05 * limit and attempt < 2:
                 bound, new = bound * limit / err, True
             if not new or attempt == 2:
@@ -150,7 +154,13 @@ class BucketSolver:
         c = self.ctx.config
         with self.ctx.own_forwards(), phase("action_tables"):
             return measure_policy(
-                profile, probes, policy, self.ctx.autocast, c.profile_repeats, room, c.compile
+                profile,
+                probes,
+                policy,
+                self.ctx.autocast,
+                c.solving.profile_repeats,
+                room,
+                c.compilation.compile,
             )
 
     def _measure_plan(
@@ -161,9 +171,9 @@ class BucketSolver:
         saves around its tags. Skipped where its step is predicted not to fit `room` (the bytes
         profiling may add) or the profile has no compiled whole step (its plan stays predicted
         from the parts, the residuals' conservative side)."""
-        if not self.ctx.config.compile or "full_phases" not in profile.compiled:
+        if not self.ctx.config.compilation.compile or "full_phases" not in profile.compiled:
             return
-        acc, static = self.ctx.config.gradient_accumulation_steps, self.ctx.static_memory()
+        acc, static = self.ctx.config.run.gradient_accumulation_steps, self.ctx.static_memory()
         adds = predict(profile, policy, static, acc).peak_nbytes - static.total
         if room is not None and adds > room:
             return
@@ -173,8 +183,8 @@ class BucketSolver:
     def _compiled(self, policy: Policy) -> Policy:
         """`policy` labelled with the backend it was planned for (its blocks then run their
         compile contexts without warning of an eager plan)."""
-        if self.ctx.config.compile:
-            policy.metadata["compile"] = self.ctx.config.compile
+        if self.ctx.config.compilation.compile:
+            policy.metadata["compile"] = self.ctx.config.compilation.compile
         return policy
 
     def _use_slack(
@@ -199,7 +209,7 @@ class BucketSolver:
         measured = profile.compiled.get("plans", {}).get(plan_key_of(profile, policy))
         if measured is None:
             return policy
-        acc, static = self.ctx.config.gradient_accumulation_steps, self.ctx.static_memory()
+        acc, static = self.ctx.config.run.gradient_accumulation_steps, self.ctx.static_memory()
         limit = self.ctx.limit(reserve)
         first = predict(profile, policy, static, acc)
         top = self.ctx.coordinator.agree((first.peak_nbytes,))[0]
@@ -249,7 +259,7 @@ class BucketSolver:
         for a solve that fails). Every rank decides on the largest of their predictions, so they
         solve (a collective) alike."""
         acc, static, budget = (
-            self.ctx.config.gradient_accumulation_steps,
+            self.ctx.config.run.gradient_accumulation_steps,
             self.ctx.static_memory(),
             self.ctx.budget(),
         )

@@ -47,7 +47,7 @@ class Rectifier:
 
     def __init__(self, ctx: SessionContext, planner: Planner) -> None:
         self.ctx, self.planner = ctx, planner
-        self.schedule = TrackingSchedule(ctx.config.max_tracking_interval)
+        self.schedule = TrackingSchedule(ctx.config.tracking.max_tracking_interval)
         self.tracker: OutlierTracker | None = None
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -61,13 +61,13 @@ class Rectifier:
     def arm(self, step: int) -> OutlierTracker | None:
         """Before optimizer step `step`: the tracker its forwards feed, on a tracking step."""
         plan, ctx = self.planner.current, self.ctx
-        if not ctx.config.adaptive or plan is None or plan.profile is None:
+        if not ctx.config.tracking.adaptive or plan is None or plan.profile is None:
             return None
         if not self.schedule.is_tracking_step(step):
             return None
         room: tuple[int | None, int | None] = (None, None)  # None: no budget in bytes yet
         if ctx.budget_nbytes is not None:
-            acc = ctx.config.gradient_accumulation_steps
+            acc = ctx.config.run.gradient_accumulation_steps
             room = tracking_room(
                 plan.profile, plan.policy, ctx.static_memory(), acc, ctx.budget_nbytes
             )
@@ -90,8 +90,8 @@ class Rectifier:
             new, c = planner.solver.solve(new_profile, current.reserve_nbytes), ctx.config
             switch = should_switch(
                 new_profile, current.policy, new, ctx.static_memory(),
-                budget_nbytes=ctx.budget_nbytes or 0, max_rel_error=c.max_codec_error,
-                accumulation=c.gradient_accumulation_steps, max_grad_error=c.max_grad_error,
+                budget_nbytes=ctx.budget_nbytes or 0, max_rel_error=c.compression.max_codec_error,
+                accumulation=c.run.gradient_accumulation_steps, max_grad_error=c.compression.max_grad_error,
             )  # fmt: skip
             return new if switch else current.policy
 

@@ -3,8 +3,9 @@
 Modules: `prepare` (custom loops, Accelerate), `callback` (any Trainer, TRL's included),
 `arguments` (`--adacc...` options), `trainer` (`AdaccTrainer`), `run_facts` (what adacc reads off a
 Trainer's arguments), `wiring` (what the callback wires into its Trainer: resume, automatic
-micro-batch, out-of-memory retry, events as metrics, artifacts and card), `sharding`
-(per-device static memory of sharded runs), `card` (artifacts on disk, model card, config entry).
+micro-batch, out-of-memory retry, events as metrics, artifacts and card), `card` (artifacts on
+disk, model card, config entry). The facts of a run, sharding included, are read by
+`engine.facts`.
 """
 
 from ..engine import AdaccConfig, AdaccEvent, AdaccSession

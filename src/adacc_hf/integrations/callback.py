@@ -46,16 +46,19 @@ class AdaccCallback(TrainerCallback):
     everything when training ends. The run's own activation checkpointing is switched off where
     only the arguments' class turned it on (TRL's configs); asked for explicitly, it is an error.
 
-    ``AdaccCallback(config)`` or ``AdaccCallback(budget="20GiB", ...)`` (any `AdaccConfig` field);
+    ``AdaccCallback(config)`` or ``AdaccCallback(budget="20GiB", ...)`` (any option by its name);
     ``policy`` reuses a saved policy (object or ``adacc_policy.json`` path). With neither, the
-    options come from `AdaccTrainingArguments` when the run uses them.
+    options come from `AdaccTrainingArguments` when the run uses them. The facts of the run
+    (optimizer, mixed precision, accumulation, sharding) are read off its `TrainingArguments`
+    (`RunFacts.from_training_args`).
 
     Args:
         config: the options (None: ``**options``, else the run's `AdaccTrainingArguments`, else
             `AdaccConfig`'s defaults).
         policy: a saved policy to run (object or ``adacc_policy.json`` path) instead of
             profiling and solving.
-        **options: `AdaccConfig` fields, instead of `config`.
+        **options: ``budget`` and options by name (`engine.options.AdaccOptions`), instead of
+            `config`.
 
     Raises:
         AdaccError: both `config` and ``**options`` given, or an option `AdaccConfig` refuses.
@@ -131,9 +134,9 @@ class AdaccCallback(TrainerCallback):
             reserve = self.session.oom_reserve_nbytes
             self.session.close()
         config = run_config(self._config(args), args)
-        if config.head == "chunked" and (note := head_note(model, "head='chunked'")):
+        if config.solving.head == "chunked" and (note := head_note(model, "head='chunked'")):
             logger.info(note)
-            config = dataclasses.replace(config, head="full")
+            config = config.replace(head="full")
         if (
             policy is not None
             and policy.head == "chunked"
@@ -142,21 +145,23 @@ class AdaccCallback(TrainerCallback):
             logger.info(note)
             policy = dataclasses.replace(policy, head="full")
         choice = self.batch_choice
-        if config.auto_batch_size and choice is None and policy is None:
+        if config.memory.auto_batch_size and choice is None and policy is None:
             raise AdaccError(
                 "adacc auto_batch_size plans the micro-batch before the Trainer builds its data "
                 "loader: give the callback when the Trainer is made (callbacks=[AdaccCallback("
                 "...)] or AdaccTrainingArguments), not through add_callback afterwards"
             )
         loader = kwargs.get("train_dataloader")
-        if config.max_seq_len is None:
+        if config.memory.max_seq_len is None:
             collate = getattr(loader, "collate_fn", None)
             collate = getattr(collate, "data_collator", collate)  # Trainer's column remover
             longest = longest_sequence(args, collate, getattr(loader, "dataset", None))
             if longest is not None:
-                config = dataclasses.replace(config, max_seq_len=longest)
+                config = config.replace(max_seq_len=longest)
         saved: tuple[list[Profile], str] | None = None
-        if config.profile_from is None:  # an earlier run of this one saved its profiles here
+        if (
+            config.tracking.profile_from is None
+        ):  # an earlier run of this one saved its profiles here
             found = ((read_profiles(d, strict=False), d) for d in (resume, args.output_dir) if d)
             saved = next(((p, d) for p, d in found if p), None)
         if choice is not None and policy is None:  # the automatic micro-batch (`wiring`)

@@ -6,18 +6,18 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from ..adapters import plain
 from ..engine.autobatch import choose_micro_batch, rows
 from ..engine.config import AdaccConfig
+from ..engine.facts import FACTS, SHARDING_FACTS, RunFacts, warn_facts
 from ..engine.options import SessionOptions
 from ..engine.session import AdaccSession
-from ..engine.sharding import sharding_from_model
 from ..errors import AdaccError
 from ..policy import Policy
-from ..solver.static import optimizer_name
 
 __all__ = ["prepare"]
 
@@ -34,7 +34,10 @@ def prepare(
     global_batch: int | None = None,
     blocks: plain.BlocksSpec | None = None,
     loss: plain.LossFn | None = None,
-    **config: Unpack[SessionOptions],
+    optimizer: torch.optim.Optimizer | str | None = None,
+    gradient_accumulation_steps: int | None = None,
+    run: RunFacts | None = None,
+    **options: Unpack[SessionOptions],
 ) -> AdaccSession:
     """Adacc for custom loops and Accelerate: profile, solve and patch `model`.
 
@@ -42,18 +45,20 @@ def prepare(
     `policy` (object or JSON path) skips profiling. With ``adaptive=True`` (the default, as in the
     Trainer) call ``session.step_done(step)`` after each optimizer step: the rectifier re-measures
     the codecs on tracking steps and switches policy when needed; ``adaptive=False`` keeps the
-    first policy. Undo with ``session.close()``. ``optimizer=`` takes the loop's optimizer
-    object (or a name of `solver.static.KNOWN_OPTIMIZERS`): its states are in the step's peak.
+    first policy. Undo with ``session.close()``.
 
-    In a process group of several ranks, call it on every rank: all profile, rank 0 solves, and
-    every rank runs (and later switches to) rank 0's policy. ZeRO-3 and FSDP2 sharding is read off
-    the model's parameters unless `zero_stage` / `fsdp` / `world_size` are given.
+    The facts of the run are read off it (`RunFacts.from_loop`): the optimizer's states from the
+    `optimizer` the loop steps, the accumulation from `gradient_accumulation_steps` or an
+    initialised ``Accelerator``, DDP and sharding (ZeRO-3, FSDP2, a DeepSpeed engine) from the
+    model and the process group, and the autocast from the first training forward; `run` states
+    them instead. In a process group of several ranks, call it on every rank: all profile, rank 0
+    solves, and every rank runs (and later switches to) rank 0's policy.
 
     ``auto_batch_size=True`` (needs `sample_batch`) also picks the micro-batch: the divisor of
-    `global_batch` (default: `sample_batch`'s rows x ``gradient_accumulation_steps``) with the best
-    predicted tokens/s whose step fits the budget (`autobatch.choose_micro_batch`). Build your
-    batches of ``session.micro_batch`` rows and accumulate ``session.accumulation`` of them per
-    optimizer step; ``session.batch_choice`` holds every candidate.
+    `global_batch` (default: `sample_batch`'s rows x the accumulation) with the best predicted
+    tokens/s whose step fits the budget (`autobatch.choose_micro_batch`). Build your batches of
+    ``session.micro_batch`` rows and accumulate ``session.accumulation`` of them per optimizer
+    step; ``session.batch_choice`` holds every candidate.
 
     **Any PyTorch model with repeated blocks** (not a transformers model): name the blocks with
     `blocks`, and give `loss` where the model's output is not its loss. Blocks of one class share
@@ -68,7 +73,7 @@ def prepare(
             of device memory or ``"auto"`` (see `parse_budget`).
         sample_batch: a training micro-batch to plan on now (None: the first training forward's).
         policy: a saved policy (object or JSON path) to run as it is.
-        codecs: the codecs profiled per op (default: each layer type's own).
+        codecs: the codecs profiled per op (default: each layer type's own; `CodecOptions`).
         adaptive: re-measure codecs and switch policy on tracking steps (``session.step_done``).
         auto_batch_size: also choose the micro-batch (needs `sample_batch`).
         global_batch: rows per optimizer step for `auto_batch_size`.
@@ -78,10 +83,18 @@ def prepare(
             `GradientCheckpointingLayer` blocks.
         loss: ``loss(output, batch) -> scalar tensor`` when the model returns no loss (e.g.
             ``lambda out, batch: F.cross_entropy(out, batch["labels"])``).
-        **config: any other `AdaccConfig` field by name (typed: `engine.options.SessionOptions`;
-            ``optimizer=`` the loop's optimizer or its name, ``mixed_precision=``,
-            ``max_seq_len=``, ``headroom=``, ...; ``help(adacc_hf.AdaccConfig)`` says what each
-            does).
+        optimizer: the optimizer the loop steps (or a name of
+            `solver.static.KNOWN_OPTIMIZERS`): its states are in the step's peak (None:
+            ``"adamw_torch"``'s).
+        gradient_accumulation_steps: micro-batches per optimizer step (None: an initialised
+            ``Accelerator``'s, else 1).
+        run: the facts of the run (`RunFacts`) where they cannot be read off it (nothing is then
+            read; `optimizer` and `gradient_accumulation_steps`, given, still count).
+        **options: any other option by its name (`engine.options.SessionOptions`:
+            ``max_seq_len=``, ``headroom=``, ``head=``, ``offload=``, ...; each group's
+            ``help()``, e.g. ``help(adacc_hf.MemoryOptions)``, says what they do). A fact of the
+            run by its name (``zero_stage=``, ``mixed_precision=``, ...) still works for one
+            release, with an `AdaccFutureWarning`.
 
     Returns:
         The `AdaccSession` (``session.step_done(step)`` after each optimizer step,
@@ -91,8 +104,8 @@ def prepare(
         UnsupportedModelError: bad `blocks` or `loss` (no module matches, blocks of one class
             that differ in structure, a block the forward does not call), or (with
             `sample_batch`) a model no adapter runs; the message says what to change.
-        AdaccError: an option `AdaccConfig` refuses, or ``auto_batch_size=True`` without
-            `sample_batch` or with `blocks` / `loss`.
+        AdaccError: an option its group refuses, a fact given both in `run` and by name, or
+            ``auto_batch_size=True`` without `sample_batch` or with `blocks` / `loss`.
         BudgetError: with `sample_batch`: a malformed budget, or no policy fits in it (the
             message says what dominates the step).
         PolicyError: a `policy` path that does not hold a readable policy, or (with
@@ -107,20 +120,16 @@ def prepare(
             )
     else:
         plain.unregister(model)  # an earlier prepare's blocks no longer apply
-    if config.get("optimizer") is not None and not isinstance(config["optimizer"], str):
-        config["optimizer"] = optimizer_name(config["optimizer"])  # the object the loop steps
     if isinstance(policy, str):
         policy = Policy.load(policy)
-    if not config.keys() & {"zero_stage", "fsdp", "world_size", "offload_optimizer"}:
-        config = {**sharding_from_model(model), **config}
     cfg = AdaccConfig(
-        budget=budget,
+        budget,
         codecs=list(codecs) if codecs is not None else None,
         adaptive=adaptive,
         auto_batch_size=auto_batch_size,
-        **config,
-    )
-    if cfg.auto_batch_size and policy is None:
+        **{k: v for k, v in options.items() if k not in FACTS},
+    ).with_run(_run_facts(model, optimizer, gradient_accumulation_steps, run, options))
+    if cfg.memory.auto_batch_size and policy is None:
         if sample_batch is None:
             raise AdaccError("prepare(auto_batch_size=True) needs a sample_batch")
         return _prepare_auto(model, cfg, sample_batch, global_batch)
@@ -134,15 +143,34 @@ def prepare(
     return session
 
 
+def _run_facts(
+    model: nn.Module,
+    optimizer: Any,
+    accumulation: int | None,
+    run: RunFacts | None,
+    options: Mapping[str, Any],
+) -> RunFacts:
+    """The facts `prepare` plans with: `run`, else read off the loop (`RunFacts.from_loop`);
+    what the loop tells (`optimizer`, `accumulation`) over them; facts given by name (the old
+    way, warned) over everything."""
+    named = {k: v for k, v in options.items() if k in FACTS}
+    warn_facts(named)
+    if run is not None and named:
+        raise AdaccError(f"{', '.join(named)} given both in run= and by name: give them in run=")
+    shard = not named.keys() & SHARDING_FACTS  # sharding given by name: none read
+    run = RunFacts.from_loop(model, optimizer, accumulation, sharding=shard, base=run)
+    return dataclasses.replace(run, **named)
+
+
 def _prepare_auto(
     model: nn.Module, cfg: AdaccConfig, sample: Mapping[str, Any], global_batch: int | None
 ) -> AdaccSession:
     """`prepare` with the automatic micro-batch: choose, then start on the chosen plan."""
     if global_batch is None:
         global_batch = len(next(iter(v for v in sample.values() if isinstance(v, Tensor))))
-        global_batch *= cfg.gradient_accumulation_steps
+        global_batch *= cfg.run.gradient_accumulation_steps
     choice = choose_micro_batch(model, sample, cfg, global_batch)
-    cfg = dataclasses.replace(cfg, gradient_accumulation_steps=choice.accumulation)
+    cfg = cfg.with_run(gradient_accumulation_steps=choice.accumulation)
     session = AdaccSession(
         model, cfg, policy=choice.policy, profile=choice.profile, profiles=choice.profiles
     )

@@ -1,6 +1,6 @@
 """What adacc reads off a Trainer run: its activation checkpointing flags (and taking them over),
 its longest batch, TRL's fused LM head, and the facts of the run an `AdaccConfig` is completed with
-(`run_config`)."""
+(`run_config`, through `RunFacts.from_training_args`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from transformers import TrainingArguments
 
 from ..adapters import unwrap_model
 from ..engine.config import AdaccConfig
-from ..engine.sharding import sharding_from_trainer
+from ..engine.facts import RunFacts
 from ..errors import AdaccError
 from ..runtime.head import chunked_head_problem
 
@@ -248,18 +248,14 @@ def head_note(model: Any, what: str) -> str | None:
 
 
 def run_config(config: AdaccConfig, args: TrainingArguments) -> AdaccConfig:
-    """`config` with what the run decides filled in from its arguments: the optimizer (and the
-    Trainer's fp32 embedding states under 8-bit ones), mixed precision, world size and sharding
-    (per-device budgets divide sharded states)."""
-    mp = (
-        "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
-    )
-    fields = {
-        "optimizer": str(getattr(args.optim, "value", args.optim)),
-        "fp32_embeddings": True,  # the Trainer's bitsandbytes override (`estimate_static_memory`)
-        "mixed_precision": mp,
-        "gradient_accumulation_steps": max(1, int(getattr(args, "gradient_accumulation_steps", 1))),
-        "world_size": max(1, int(getattr(args, "world_size", 1) or 1)),
-        **sharding_from_trainer(args),
-    }
-    return dataclasses.replace(config, **fields)
+    """`config` with the facts of the run its arguments say (`RunFacts.from_training_args`: the
+    optimizer, mixed precision, accumulation, world size and sharding) over ``config.run``'s.
+
+    Args:
+        config: the run's options.
+        args: the run's `TrainingArguments`.
+
+    Returns:
+        The config the session plans with.
+    """
+    return config.with_run(RunFacts.from_training_args(args, base=config.run))

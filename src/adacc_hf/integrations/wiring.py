@@ -96,7 +96,7 @@ def _wrap_train(trainer: Any, callback: Any) -> None:
             path = get_last_checkpoint(trainer.args.output_dir)
         callback.resume_dir = path if isinstance(path, str) else None
         config = run_config(callback._config(trainer.args), trainer.args)
-        if config.auto_batch_size and callback.policy is None:
+        if config.memory.auto_batch_size and callback.policy is None:
             callback.batch_choice = plan_micro_batch(trainer, config)
         return original(resume_from_checkpoint, *args, **kwargs)
 
