@@ -27,7 +27,7 @@ from adacc_hf import (
     assets,
     prepare,
 )
-from adacc_hf.engine.options import GROUPS, OPTION_GROUP
+from adacc_hf.engine.options import GROUPS, OPTION_GROUP, option_help
 from adacc_hf.errors import AdaccError, AdaccFutureWarning
 
 
@@ -208,6 +208,16 @@ def test_prepare_reads_the_facts_off_the_loop():
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def test_every_option_flag_has_its_group_text_as_help():
+    from adacc_hf import AdaccTrainingArguments
+
+    fields = {f.name: f for f in AdaccTrainingArguments.__dataclass_fields__.values()}
+    for name in OPTION_GROUP:
+        if name != "compile":  # the Trainer's --torch_compile
+            assert fields[f"adacc_{name}"].metadata["help"] == option_help(name), name
+            assert "`" not in option_help(name)
 
 
 def test_the_library_itself_uses_no_old_way():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import textwrap
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,9 +12,9 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..engine.config import AdaccConfig
+from ..engine.options import GROUPS, OPTION_GROUP, option_help
 from ..errors import AdaccError, PolicyError
 from ..policy import Policy
-from ..solver import MAX_GRAD_ERROR
 from .callback import AdaccCallback
 from .run_facts import (
     checkpointing_by_default,
@@ -29,12 +30,20 @@ logger = logging.getLogger("adacc_hf")
 
 #: The `report_to` name under which `AdaccTrainingArguments(adacc=True)` reaches a plain Trainer.
 INTEGRATION = "adacc"
-#: Old option names (one release): each is its `AdaccConfig` field's name after ``adacc_`` now.
+#: Old option names (one release): each is ``adacc_`` + its option's name now.
 RENAMED = {"adacc_memory_budget": "adacc_budget", "adacc_profile": "adacc_profile_from"}
 
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+def _flag(name: str) -> Any:
+    """The ``adacc_<name>`` field of option `name`: its group's default, and its group's text
+    (`option_help`) as its ``--help``."""
+    group = GROUPS[OPTION_GROUP[name]]
+    default = next(f.default for f in dataclasses.fields(group) if f.name == name)
+    return field(default=default, metadata=_help(option_help(name)))
 
 
 @dataclass
@@ -43,13 +52,14 @@ class AdaccTrainingArguments(TrainingArguments):
 
     With ``adacc=True`` a plain `Trainer` profiles the first batch, solves the per-op policy for
     the budget and trains with it (`AdaccCallback`, added through ``report_to``, which wires the
-    rest into the Trainer: `wiring`). Every option is named ``adacc_`` + its `AdaccConfig`
-    field's name. Every other argument is
-    `TrainingArguments`'. The ``adacc_*`` options become an `AdaccConfig` (`adacc_config`); each
-    has the same text as ``help`` for ``--help``. Without ``adacc=True`` they are ignored (with a
-    warning). With it, Adacc replaces activation checkpointing: checkpointing that the arguments'
-    class turns on by default (TRL's configs) is switched off, and ``ddp_find_unused_parameters``
-    defaults to False.
+    rest into the Trainer: `wiring`). Every option is ``adacc_`` + its name (the field of its
+    group: `MemoryOptions`, `CodecOptions`, `OffloadOptions`, `SolverOptions`,
+    `TrackingOptions`), with its group's text as ``--help``; ``compile`` comes from
+    ``--torch_compile``. They become an `AdaccConfig` (`adacc_config`); the facts of the run
+    from the other arguments (`RunFacts.from_training_args`). Without ``adacc=True`` they are
+    ignored (with a warning). With it, Adacc replaces activation checkpointing: checkpointing
+    that the arguments' class turns on by default (TRL's configs) is switched off, and
+    ``ddp_find_unused_parameters`` defaults to False.
 
     Attributes:
         adacc: train with Adacc: per-op retain / compress / recompute of activations under a
@@ -58,58 +68,9 @@ class AdaccTrainingArguments(TrainingArguments):
             device memory, a byte count, or ``"auto"`` (free memory plus what the model already
             holds, minus max(1 GiB, 5%)).
         adacc_policy: a saved ``adacc_policy.json`` to reuse: skips profiling and solving.
-        adacc_profile_from: saved profiles to plan from where they match this run (model, dtype,
-            device, versions, bucket): an ``adacc_profiles.json`` or a directory holding one.
-            Default: ``output_dir``'s (or the resumed checkpoint's); ``"none"``: always profile.
-        adacc_codecs: codecs the solver may use (default: each layer type's own codec), e.g.
-            ``--adacc_codecs int4_outlier int4_channel int4_asym bitpack`` (or one
-            comma-separated string).
-        adacc_zscore_threshold: z-score above which a channel is an outlier kept exact by
-            ``int4_outlier``.
-        adacc_adaptive: re-measure codec ratios and errors during training (1, 2, 4, ... steps
-            apart) and switch policy when the optimum changes.
-        adacc_max_tracking_interval: largest number of steps between two tracking steps.
-        adacc_max_codec_error: a codec whose relative error on an op exceeds this is not used for
-            that op.
-        adacc_max_grad_error: largest relative error of a block's gradients the codecs may cause,
-            their measured effects added in quadrature (0: no lossy codec; a negative value: no
-            bound).
-        adacc_solver: MILP solver: ``"cbc"`` or ``"highs"``.
-        adacc_solver_time_limit: seconds the MILP solver may search; then its best policy so far
-            is used (with a warning). If it has none, or the solver fails, full recomputation is
-            used.
-        adacc_split_blocks: let blocks run different policies (some without checkpointing) to
-            fill the budget.
-        adacc_head: how a causal LM's head and loss run: ``"full"`` (the model's own logits),
-            ``"chunked"`` (the loss chunk by chunk: the [tokens x vocab] logits never exist and
-            training forwards return ``logits=None``) or ``"auto"`` (the solver picks the fastest
-            that fits).
-        adacc_offload: let the solver hold op outputs and block inputs in host memory until
-            backward (offload, as they are or compressed first), copied on a side stream and
-            brought back one block ahead. Default: on CUDA devices; True also on CPU (a stand-in
-            host, for tests); False: never.
-        adacc_offload_host_cap: host memory offload may hold: bytes, ``"16GiB"`` or ``"50%"`` of
-            the host's memory (default: half the host memory available when the first plan is
-            made).
-        adacc_max_seq_len: the longest sequence of the run. Its bucket is planned before the
-            first step, so a budget too small for it fails at once (default: read from TRL's
-            ``max_length``, a collator padding to a fixed length or the dataset where they say
-            it; else each bucket is planned when its first batch comes).
-        adacc_auto_batch_size: pick the micro-batch with the best predicted tokens/s whose step
-            fits the budget, keeping the global batch (``per_device_train_batch_size`` x
-            ``gradient_accumulation_steps``) by adjusting accumulation (planned in the Trainer's
-            ``train`` before the data loader is built: `wiring`).
-        adacc_expandable_segments: on CUDA, turn on the allocator's expandable segments unless
-            ``PYTORCH_CUDA_ALLOC_CONF`` is set: without them a step reserves well above what it
-            allocates (1.4 GiB over a 6 GiB step measured on an H100), and CUDA runs out when
-            reserved memory does.
-        adacc_codec_backends: codec implementations timed on each op, the fastest used
-            (``torch``, ``inductor``, ``triton``, ``bitsandbytes``, ``torchao``; None: every one
-            on CUDA, the reference elsewhere).
         adacc_memory_budget: deprecated name of ``adacc_budget`` (one release, with a warning).
         adacc_profile: deprecated name of ``adacc_profile_from`` (one release, with a warning).
-        adacc_allocator: the caching allocator each plan's reserved peak is fitted to before
-            its step runs: ``auto`` (CUDA's, as configured), ``expandable``, ``default``, ``off``.
+        adacc_<name>: each option's flag (its entries: `_flags_doc`).
 
     Raises:
         AdaccError: with ``adacc=True``: an option Adacc cannot take (a malformed budget, a
@@ -135,129 +96,31 @@ class AdaccTrainingArguments(TrainingArguments):
         default=None,
         metadata=_help("A saved adacc_policy.json to reuse: skips profiling and solving."),
     )
-    adacc_profile_from: str | None = field(
-        default=None,
-        metadata=_help(
-            "Saved profiles to plan from where they match this run (model, dtype, device, "
-            "versions, bucket): an adacc_profiles.json or a directory holding one. Default: "
-            "output_dir's (or the resumed checkpoint's); 'none': always profile."
-        ),
-    )
-    adacc_codecs: list[str] | None = field(
-        default=None,
-        metadata=_help(
-            "Codecs the solver may use (default: each layer type's own codec), e.g. "
-            "--adacc_codecs int4_outlier int4_channel int4_asym bitpack."
-        ),
-    )
-    adacc_zscore_threshold: float = field(
-        default=3.0,
-        metadata=_help("Z-score above which a channel is an outlier kept exact by int4_outlier."),
-    )
-    adacc_adaptive: bool = field(
-        default=True,
-        metadata=_help(
-            "Re-measure codec ratios and errors during training (1, 2, 4, ... steps apart) and "
-            "switch policy when the optimum changes."
-        ),
-    )
-    adacc_max_tracking_interval: int = field(
-        default=1024, metadata=_help("Largest number of steps between two tracking steps.")
-    )
-    adacc_max_codec_error: float = field(
-        default=0.5,
-        metadata=_help(
-            "A codec whose relative error on an op exceeds this is not used for that op."
-        ),
-    )
-    adacc_max_grad_error: float | None = field(
-        default=MAX_GRAD_ERROR,
-        metadata=_help(
-            "Largest relative error of a block's gradients the codecs may cause, their measured "
-            "effects added in quadrature (0: no lossy codec; a negative value: no bound)."
-        ),
-    )
-    adacc_solver: str = field(default="cbc", metadata=_help("MILP solver: 'cbc' or 'highs'."))
-    adacc_solver_time_limit: float = field(
-        default=10.0,
-        metadata=_help(
-            "Seconds the MILP solver may search; then its best policy so far is used (with a "
-            "warning). If it has none, or the solver fails, full recomputation is used."
-        ),
-    )
-    adacc_split_blocks: bool = field(
-        default=True,
-        metadata=_help(
-            "Let blocks run different policies (some without checkpointing) to fill the budget."
-        ),
-    )
-    adacc_head: str = field(
-        default="full",
-        metadata=_help(
-            "How a causal LM's head and loss run: 'full' (the model's own logits), 'chunked' "
-            "(the loss chunk by chunk: the [tokens x vocab] logits never exist and training "
-            "forwards return logits=None) or 'auto' (the solver picks the fastest that fits)."
-        ),
-    )
-    adacc_offload: bool | None = field(
-        default=None,
-        metadata=_help(
-            "Let the solver hold op outputs and block inputs in host memory until backward "
-            "(offload, as they are or compressed first), copied on a side stream and brought back "
-            "one block ahead. Default: on CUDA devices; True also on CPU (a stand-in host, for "
-            "tests); False: never."
-        ),
-    )
-    adacc_offload_host_cap: str | None = field(
-        default=None,
-        metadata=_help(
-            "Host memory offload may hold: bytes, '16GiB' or '50%' of the host's memory "
-            "(default: half the host memory available when the first plan is made)."
-        ),
-    )
-    adacc_max_seq_len: int | None = field(
-        default=None,
-        metadata=_help(
-            "The longest sequence of the run. Its bucket is planned before the first step, so a "
-            "budget too small for it fails at once (default: read from TRL's max_length, a "
-            "collator padding to a fixed length or the dataset where they say it; else each "
-            "bucket is planned when its first batch comes)."
-        ),
-    )
-
-    adacc_auto_batch_size: bool = field(
-        default=False,
-        metadata=_help(
-            "Pick the micro-batch with the best predicted tokens/s whose step fits the budget, "
-            "keeping the global batch (per_device_train_batch_size x gradient_accumulation_steps) "
-            "by adjusting accumulation (planned before the Trainer builds its data loader)."
-        ),
-    )
-
-    adacc_expandable_segments: bool = field(
-        default=True,
-        metadata=_help(
-            "On CUDA, turn on the allocator's expandable segments unless PYTORCH_CUDA_ALLOC_CONF "
-            "is set: without them a step reserves well above what it allocates (1.4 GiB over a "
-            "6 GiB step measured on an H100), and CUDA runs out when reserved memory does."
-        ),
-    )
-
-    adacc_allocator: str = field(
-        default="auto",
-        metadata=_help(
-            "The caching allocator each plan's reserved peak is fitted to before its step runs "
-            "(its step run dry on a host mirror of the model): auto (CUDA's, as configured; none "
-            "elsewhere), expandable, default, off (the guard alone re-plans after a step)."
-        ),
-    )
-    adacc_codec_backends: list[str] | None = field(
-        default=None,
-        metadata=_help(
-            "Codec implementations timed on each op, the fastest used: torch, inductor, triton, "
-            "bitsandbytes, torchao (default: every one on CUDA, the reference elsewhere)."
-        ),
-    )
+    # MemoryOptions
+    adacc_headroom: float | None = _flag("headroom")
+    adacc_allocator: str = _flag("allocator")
+    adacc_expandable_segments: bool = _flag("expandable_segments")
+    adacc_max_seq_len: int | None = _flag("max_seq_len")
+    adacc_auto_batch_size: bool = _flag("auto_batch_size")
+    # CodecOptions (`_flag` returns a `field`, default None)
+    adacc_codecs: list[str] | None = _flag("codecs")  # noqa: RUF009
+    adacc_codec_backends: list[str] | None = _flag("codec_backends")  # noqa: RUF009
+    adacc_zscore_threshold: float = _flag("zscore_threshold")
+    adacc_max_codec_error: float = _flag("max_codec_error")
+    adacc_max_grad_error: float | None = _flag("max_grad_error")
+    # OffloadOptions
+    adacc_offload: bool | None = _flag("offload")
+    adacc_offload_host_cap: str | None = _flag("offload_host_cap")
+    # SolverOptions
+    adacc_solver: str = _flag("solver")
+    adacc_solver_time_limit: float = _flag("solver_time_limit")
+    adacc_split_blocks: bool = _flag("split_blocks")
+    adacc_head: str = _flag("head")
+    adacc_profile_repeats: int = _flag("profile_repeats")
+    # TrackingOptions
+    adacc_adaptive: bool = _flag("adaptive")
+    adacc_max_tracking_interval: int = _flag("max_tracking_interval")
+    adacc_profile_from: str | None = _flag("profile_from")
     # old names, kept for one release (`RENAMED`)
     adacc_memory_budget: str | None = field(
         default=None, metadata=_help("Deprecated: --adacc_budget.")
@@ -276,7 +139,7 @@ class AdaccTrainingArguments(TrainingArguments):
             if getattr(self, new) not in (default, value):
                 raise AdaccError(f"{old} is the old name of {new}: give only {new}")
             warnings.warn(
-                f"{old} is renamed {new} (the AdaccConfig field's name); the old name goes in "
+                f"{old} is renamed {new} (the option's name); the old name goes in "
                 "the next release",
                 FutureWarning,
                 stacklevel=4,
@@ -343,37 +206,27 @@ class AdaccTrainingArguments(TrainingArguments):
         _enable_integration(self)
 
     def adacc_config(self) -> AdaccConfig:
-        """The `AdaccConfig` these options describe (run-dependent fields: see `run_config`)."""
-        return AdaccConfig(
-            budget=self.adacc_budget,
+        """The `AdaccConfig` these options describe (the facts of the run: `run_config`).
+
+        Returns:
+            The config: each ``adacc_<name>`` as the option ``<name>``, ``compile`` from
+            ``--torch_compile`` (and ``--torch_compile_backend``).
+        """
+        options: dict[str, Any] = {
+            n: getattr(self, f"adacc_{n}") for n in OPTION_GROUP if n != "compile"
+        }
+        grad = self.adacc_max_grad_error
+        options.update(
             codecs=list(self.adacc_codecs) if self.adacc_codecs else None,
-            zscore_threshold=self.adacc_zscore_threshold,
-            adaptive=self.adacc_adaptive,
-            max_tracking_interval=self.adacc_max_tracking_interval,
-            solver=self.adacc_solver,
-            solver_time_limit=self.adacc_solver_time_limit,
-            max_codec_error=self.adacc_max_codec_error,
-            max_grad_error=(
-                None
-                if self.adacc_max_grad_error is None or self.adacc_max_grad_error < 0
-                else self.adacc_max_grad_error
-            ),
-            split_blocks=self.adacc_split_blocks,
-            head=self.adacc_head,
-            max_seq_len=self.adacc_max_seq_len,
-            offload=self.adacc_offload,
-            offload_host_cap=self.adacc_offload_host_cap,
-            auto_batch_size=self.adacc_auto_batch_size,
-            expandable_segments=self.adacc_expandable_segments,
-            allocator=self.adacc_allocator,
-            profile_from=self.adacc_profile_from,
             codec_backends=list(self.adacc_codec_backends) if self.adacc_codec_backends else None,
+            max_grad_error=None if grad is None or grad < 0 else grad,  # negative: no bound
             # --torch_compile: the Trainer compiles the model whole (Accelerate), adacc profiles
             # its blocks and head compiled with the same backend and plans without offload
             compile=(getattr(self, "torch_compile_backend", None) or "inductor")
             if getattr(self, "torch_compile", False)
             else None,
         )
+        return AdaccConfig(self.adacc_budget, **options)
 
     # The integration name is in `report_to` only while the object lives in this process: what
     # is logged, JSON-serialised or pickled (`training_args.bin`) shows the user's `report_to`.
@@ -405,3 +258,18 @@ def _enable_integration(args: AdaccTrainingArguments) -> None:
     integration_utils.INTEGRATION_TO_CALLBACK.setdefault(INTEGRATION, AdaccCallback)
     if INTEGRATION not in args.report_to:
         args.report_to = [*args.report_to, INTEGRATION]
+
+
+def _flags_doc(doc: str) -> str:
+    """`doc` with an ``Attributes:`` entry per option flag (its ``--help``) for ``adacc_<name>``."""
+    lines = []
+    for f in dataclasses.fields(AdaccTrainingArguments):
+        if f.name.startswith("adacc_") and f.name[len("adacc_") :] in OPTION_GROUP:
+            text = textwrap.fill(f"{f.name}: {f.metadata['help']}", 88, subsequent_indent="    ")
+            lines += [f"        {line}" for line in text.splitlines()]
+    return doc.replace(
+        "        adacc_<name>: each option's flag (its entries: `_flags_doc`).", "\n".join(lines)
+    )
+
+
+AdaccTrainingArguments.__doc__ = _flags_doc(AdaccTrainingArguments.__doc__ or "")
