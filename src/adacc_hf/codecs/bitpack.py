@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .base import (
     FLOAT_DTYPES,
@@ -21,7 +22,9 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     b = bits.reshape(-1).to(torch.uint8)
     pad = -b.numel() % 8
     if pad:
-        b = torch.cat([b, b.new_zeros(pad)])
+        # F.pad, not a cat with zeros: torch 2.13's inductor on a CPU miscompiles the cat
+        # followed by the weighted sum (every byte wrong; the inductor backend's check caught it)
+        b = F.pad(b, (0, pad))
     w = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=b.device)
     # at most 255 per byte: the sum fits uint8 (and the payload comes from a plain aten op)
     return (b.reshape(-1, 8) * w).sum(dim=1, dtype=torch.uint8)
