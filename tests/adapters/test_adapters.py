@@ -225,6 +225,41 @@ def test_plain_blocks_group_by_class_and_are_typed_by_the_generic_rules():
         get_adapter(model)  # no transformers blocks: the error names what to pass
 
 
+class _Wrapped(nn.Module):
+    """A wrapper as DDP is one: the model under ``.module``, called with its keywords."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, **kwargs):
+        return self.module(**kwargs)
+
+
+def test_a_plain_model_behind_a_wrapper_is_found_and_called_with_its_forward_s_arguments():
+    import torch
+
+    from adacc_hf.adapters import plain
+    from adacc_hf.adapters.forward import call_batch, model_inputs
+    from adacc_hf.runtime.peak import forward_loss
+
+    model = _Stack()
+    wrapped = _Wrapped(model)
+    x = torch.randn(2, 4, 8)
+    batch = {"x": x, "target": torch.zeros(2)}  # `target`: read by a loss, not by the forward
+    plain.register(wrapped, "enc.*")
+    try:
+        assert plain.plain_model(wrapped) is plain.plain_model(model) is not None
+        assert plain.registered(model) is plain.plain_model(model)
+        assert plain.registered(wrapped) is None  # the unwrapped model only: no looking through
+        assert model_inputs(wrapped, batch) == {"x": x}
+        assert call_batch(wrapped, (x,), {}) == {"x": x}
+        assert torch.equal(forward_loss(wrapped, batch), model(x))  # the loss it returned
+    finally:
+        plain.unregister(wrapped)
+    assert plain.plain_model(model) is None and model_inputs(wrapped, batch) == batch
+
+
 def test_the_plain_forward_hook_is_counted_and_restores_the_forward():
     import torch
 

@@ -6,8 +6,9 @@ instance-level ``forward`` that, when the block is training, gradients are on an
 ``block._gradient_checkpointing_func`` (the runtime's `BlockRuntime`, or the tracer's hook). It
 is installed while the runtime needs it (a policy applied, a trace) and removed after: the model
 is left as it was. A plain model's batch is a mapping of its forward's arguments by name (plus
-whatever its loss reads): `model_inputs` passes the forward the keys it takes, `call_batch`
-rebuilds such a mapping from a forward's own call.
+whatever its loss reads): `model_inputs` passes the forward the keys it takes (`plain_inputs`
+where the caller has unwrapped the model and found its record already), `call_batch` rebuilds
+such a mapping from a forward's own call.
 """
 
 from __future__ import annotations
@@ -24,9 +25,16 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from .base import unwrap_model
 from .generic import gradient_checkpointing_layer
-from .plain import plain_model
+from .plain import registered
 
-__all__ = ["call_batch", "hook_forward", "model_inputs", "needs_hook", "unhook_forward"]
+__all__ = [
+    "call_batch",
+    "hook_forward",
+    "model_inputs",
+    "needs_hook",
+    "plain_inputs",
+    "unhook_forward",
+]
 
 _INNER = "_adacc_inner_forward"  # the forward the hook calls (an instance's own, or None)
 _DEPTH = "_adacc_forward_hooks"  # how many users installed the hook
@@ -82,23 +90,32 @@ def unhook_forward(block: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------ batches
-def _forward_params(model: nn.Module) -> tuple[list[inspect.Parameter], bool]:
-    """The forward's named parameters and whether it takes ``**kwargs``."""
-    params = list(inspect.signature(unwrap_model(model).forward).parameters.values())
+def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of `model`'s forward for `batch`: for a registered model the keys its
+    forward takes (`plain_inputs`), else `batch` as it is."""
+    base = unwrap_model(model)
+    if registered(base) is None:
+        return dict(batch)
+    return plain_inputs(base, batch)
+
+
+def plain_inputs(base: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a registered model's forward for `batch`: the keys it takes (all
+    of them where it takes ``**kwargs``).
+
+    Args:
+        base: the registered model, unwrapped (`unwrap_model`).
+        batch: a mapping of the forward's arguments by name (plus what the loss reads).
+
+    Raises:
+        UnsupportedModelError: `batch` lacks an argument the forward requires.
+    """
+    params = list(inspect.signature(base.forward).parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return dict(batch)
     named = [
         p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY)
     ]
-    return named, any(p.kind is p.VAR_KEYWORD for p in params)
-
-
-def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of `model`'s forward for `batch`: for a registered model the keys its
-    forward takes (all of them where it takes ``**kwargs``), else `batch` as it is."""
-    if plain_model(model) is None:
-        return dict(batch)
-    named, var_kw = _forward_params(model)
-    if var_kw:
-        return dict(batch)
     names = {p.name for p in named}
     missing = [
         p.name for p in named if p.default is inspect.Parameter.empty and p.name not in batch
@@ -106,7 +123,7 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
     if missing:
         raise UnsupportedModelError(
             f"the batch (keys {sorted(batch)}) has no {missing} for "
-            f"{type(unwrap_model(model)).__name__}.forward: a batch is a mapping of the forward's "
+            f"{type(base).__name__}.forward: a batch is a mapping of the forward's "
             "arguments by name (plus what the loss reads)"
         )
     return {k: v for k, v in batch.items() if k in names}
@@ -115,12 +132,13 @@ def model_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
 def call_batch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """A training forward's arguments as a batch: a registered model's by its forward's parameter
     names; else the keywords, a first positional argument as ``input_ids``."""
-    if plain_model(model) is None:
+    base = unwrap_model(model)
+    if registered(base) is None:
         batch = dict(kwargs)
         if args:
             batch.setdefault("input_ids", args[0])
         return batch
-    sig = inspect.signature(unwrap_model(model).forward)
+    sig = inspect.signature(base.forward)
     try:
         bound = sig.bind_partial(*args, **kwargs)
     except TypeError as e:

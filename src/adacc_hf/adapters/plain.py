@@ -36,6 +36,7 @@ __all__ = [
     "PlainModel",
     "plain_model",
     "register",
+    "registered",
     "unregister",
 ]
 
@@ -118,7 +119,17 @@ _MODELS: weakref.WeakKeyDictionary[nn.Module, PlainModel] = weakref.WeakKeyDicti
 
 def plain_model(model: nn.Module) -> PlainModel | None:
     """What `register` recorded for `model` (or the model inside its wrappers), if anything."""
-    return _MODELS.get(unwrap_model(model))
+    return registered(unwrap_model(model))
+
+
+def registered(base: nn.Module) -> PlainModel | None:
+    """What `register` recorded for `base`, a model already unwrapped (`unwrap_model`), if
+    anything: `plain_model` for a caller that unwraps once, where its path begins.
+
+    Args:
+        base: the innermost model (a wrapper is not looked through: pass ``unwrap_model(m)``).
+    """
+    return _MODELS.get(base)
 
 
 def unregister(model: nn.Module) -> None:

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..adapters.forward import model_inputs
-from ..adapters.plain import plain_model
+from ..adapters.base import unwrap_model
+from ..adapters.forward import plain_inputs
+from ..adapters.plain import registered
 from .context import autocast_context
 
 _MARK = "adacc_mark::"
@@ -326,10 +327,11 @@ def loss_of(out: Any) -> torch.Tensor:
 def forward_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     """The loss of a training forward of `batch`: ``model(**batch)``'s, or for a plain model
     (`adapters.plain`) its forward on the arguments it takes and its ``loss(out, batch)``."""
-    plain = plain_model(model)
+    base = unwrap_model(model)  # once: what the record is kept by, whose forward is read
+    plain = registered(base)
     if plain is None:
         return loss_of(model(**batch))
-    return plain.loss_of(model(**model_inputs(model, batch)), batch)
+    return plain.loss_of(model(**plain_inputs(base, batch)), batch)
 
 
 def measure_step_peak(

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter, unwrap_model
-from ..adapters.forward import model_inputs
-from ..adapters.plain import plain_model
+from ..adapters.forward import plain_inputs
+from ..adapters.plain import registered
 from ..errors import UnsupportedModelError
 from .context import devices_of, model_kwargs, train_mode
 from .sharded import forwards_without_backward
@@ -27,10 +27,10 @@ def check_forward(model: nn.Module, batch: Mapping[str, Any]) -> None:
     hidden states as a tensor first positional argument, and the loss is a scalar. The blocks
     are put in the order the forward ran them. Raises `UnsupportedModelError` naming the module
     and what to change. A no-op for other models and once checked."""
-    spec = plain_model(model)
+    base = unwrap_model(model)
+    spec = registered(base)
     if spec is None or spec.checked:
         return
-    base = unwrap_model(model)
     calls: list[str] = []
     bad: dict[str, str] = {}
 
@@ -55,7 +55,7 @@ def check_forward(model: nn.Module, batch: Mapping[str, Any]) -> None:
             torch.random.fork_rng(devices=devices_of(base)),
             torch.no_grad(),
         ):
-            out = base(**model_inputs(base, model_kwargs(base, batch)))
+            out = base(**plain_inputs(base, model_kwargs(base, batch)))
             spec.loss_of(out, batch)
             del out
     finally:
