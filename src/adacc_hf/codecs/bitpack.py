@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .base import (
     FLOAT_DTYPES,
@@ -14,20 +13,19 @@ from .base import (
     register,
 )
 
-_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
-
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Flattened element ``i`` -> bit ``i % 8`` (LSB first) of byte ``i // 8``; pad with 0."""
     b = bits.reshape(-1).to(torch.uint8)
     pad = -b.numel() % 8
     if pad:
-        # F.pad, not a cat with zeros: torch 2.13's inductor on a CPU miscompiles the cat
-        # followed by the weighted sum (every byte wrong; the inductor backend's check caught it)
-        b = F.pad(b, (0, pad))
-    w = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=b.device)
-    # at most 255 per byte: the sum fits uint8 (and the payload comes from a plain aten op)
-    return (b.reshape(-1, 8) * w).sum(dim=1, dtype=torch.uint8)
+        b = torch.cat([b, b.new_zeros(pad)])
+    # bits shifted into place, not multiplied by their weights: torch 2.13's inductor on a CPU
+    # miscompiles the cat followed by a product with a weights tensor and the sum (every byte of a
+    # padded mask wrong; the inductor backend's check caught it). At most 255 per byte: the sum
+    # fits uint8 (and the payload comes from a plain aten op).
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
+    return (b.reshape(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
