@@ -23,6 +23,7 @@ from test_entry_points import (
 from transformers import Trainer, TrainingArguments
 
 from adacc_hf import AdaccCallback, AdaccSession, AdaccTrainingArguments, prepare
+from adacc_hf.engine.patch import owner_of
 from adacc_hf.engine.saved import PROFILES_FILE, read_profiles
 from adacc_hf.errors import AdaccError, PolicyError
 from adacc_hf.integrations import write_artifacts
@@ -137,7 +138,7 @@ def test_a_forward_under_another_autocast_does_not_take_the_fp32_profile(tmp_pat
     model, short, long = tiny()
     budget = long_budget(model, long, "adamw_torch")
     write_artifacts(str(tmp_path), prepare(model, budget, short, **QUICK))
-    model.__dict__["_adacc_session"].close()
+    owner_of(model).close()
     model, short, _ = tiny()
     session = prepare(model, budget, short, profile_from=str(tmp_path), **QUICK)
     assert session.current.profile.autocast is None

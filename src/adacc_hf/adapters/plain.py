@@ -34,6 +34,7 @@ __all__ = [
     "LossFn",
     "PlainAdapter",
     "PlainModel",
+    "declare",
     "plain_model",
     "register",
     "registered",
@@ -156,7 +157,25 @@ def register(
         UnsupportedModelError: no module matches, a block is nested in another, or blocks of one
             class differ in structure (the message says what to change).
     """
-    base = unwrap_model(model)
+    return _record(unwrap_model(model), blocks, loss)
+
+
+def declare(base: nn.Module, blocks: BlocksSpec | None, loss: LossFn | None) -> None:
+    """`register` `base`'s blocks and loss where either is given, else forget an earlier record
+    (an earlier `prepare`'s blocks no longer apply).
+
+    Args:
+        base: the model, unwrapped (`unwrap_model`).
+        blocks: the repeated blocks (see `register`), or None.
+        loss: the loss function (see `register`), or None.
+    """
+    if blocks is None and loss is None:
+        _MODELS.pop(base, None)
+    else:
+        _record(base, blocks, loss)
+
+
+def _record(base: nn.Module, blocks: BlocksSpec | None, loss: LossFn | None) -> PlainModel:
     paths = resolve_blocks(base, blocks)
     config_type = getattr(getattr(base, "config", None), "model_type", None)
     model_type = config_type if isinstance(config_type, str) else f"plain:{type(base).__name__}"

@@ -42,7 +42,7 @@ from .facts import detect_autocast
 from .oom import first_line, release
 from .plans import AdaccEvent
 from .session import AdaccSession
-from .shapes import ShapeKey, row_tokens
+from .shapes import ShapeKey, row_tokens, rows
 
 logger = logging.getLogger("adacc_hf")
 
@@ -106,24 +106,6 @@ class BatchChoice:
 
     def event(self, step: int = 0) -> AdaccEvent:
         return AdaccEvent(step, "batch", self.policy, self.message(), self.metrics())
-
-
-def rows(batch: Mapping[str, Any], n: int) -> dict[str, Any]:
-    """`batch` with `n` rows: its first `n`, or all of them repeated cyclically up to `n`."""
-    sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 1}
-    if len(sizes) != 1:
-        raise AdaccError(f"auto micro-batch: the batch's tensors disagree on rows ({sizes})")
-    have = sizes.pop()
-    index = torch.arange(n) % have
-    out: dict[str, Any] = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1:
-            out[k] = v[:n] if n <= have else v[index.to(v.device)]
-        else:
-            out[k] = v
-    if "labels" in batch and batch["labels"] is batch.get("input_ids"):
-        out["labels"] = out["input_ids"]  # one storage, as the run passes it
-    return out
 
 
 def _time_step_ms(

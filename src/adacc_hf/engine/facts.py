@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ __all__ = [
     "RunFacts",
     "accelerate_accumulation",
     "detect_autocast",
+    "loop_facts",
     "warn_future",
 ]
 
@@ -251,6 +252,36 @@ def detect_autocast(
     if is_initialized():
         return MIXED_PRECISION_DTYPES.get(str(AcceleratorState().mixed_precision))
     return None
+
+
+def loop_facts(
+    model: torch.nn.Module,
+    optimizer: Any,
+    accumulation: int | None,
+    run: RunFacts | None,
+    options: Mapping[str, Any],
+) -> RunFacts:
+    """The facts a custom loop (`prepare`) plans with: `run`, else read off the loop
+    (`RunFacts.from_loop`); what the loop tells (`optimizer`, `accumulation`) over them; facts
+    given by name among `options` (the old way, warned) over everything.
+
+    Args:
+        model: the model the loop trains (or its wrapper).
+        optimizer: the optimizer the loop steps, or its name (None: unknown).
+        accumulation: micro-batches per optimizer step (None: read off Accelerate, else 1).
+        run: the facts the user stated (None: read them).
+        options: `prepare`'s options by name; those naming a fact count as facts.
+
+    Raises:
+        AdaccError: a fact given both in `run` and by name.
+    """
+    named = {k: v for k, v in options.items() if k in FACTS}
+    warn_facts(named)
+    if run is not None and named:
+        raise AdaccError(f"{', '.join(named)} given both in run= and by name: give them in run=")
+    shard = not named.keys() & SHARDING_FACTS  # sharding given by name: none read
+    run = RunFacts.from_loop(model, optimizer, accumulation, sharding=shard, base=run)
+    return dataclasses.replace(run, **named)
 
 
 def warn_facts(names: Iterable[str]) -> None:

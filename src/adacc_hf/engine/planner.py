@@ -20,7 +20,9 @@ from ..policy import Policy
 from ..policy.display import describe, metrics
 from ..profiler import BlockProbe
 from ..profiler.phases import format_phases, recording
+from ..runtime.allocator import use_expandable_segments
 from ..runtime.context import outside_autocast
+from ..runtime.plain import check_forward
 from ..schema import Profile
 from ..solver import budget_window
 from .context import SessionContext
@@ -103,6 +105,23 @@ class Planner:
             return None
         key = self.key_of(batch)
         return (key[0], *(max(k, ctx.config.memory.max_seq_len) for k in key[1:-1]), key[-1])
+
+    def first_plan(self, batch: Mapping[str, Any], forward: bool) -> Plan:
+        """The plan a run starts on (`AdaccSession.setup`): a plain model's forward checked first,
+        the autocast read (off the model's forward where `forward`), the allocator set up, the
+        longest bucket planned where ``max_seq_len`` stretches it (a budget too small for it
+        fails now), then `batch`'s bucket."""
+        ctx = self.ctx
+        if plain_model(ctx.model) is not None:
+            with ctx.own_forwards():  # its blocks and loss, checked before any profiling
+                check_forward(ctx.model, batch)
+        if ctx.autocast is None:
+            ctx.autocast = detect_autocast(ctx.device, ctx.model if forward else None)
+        use_expandable_segments(ctx.config.memory.expandable_segments)
+        longest = self.longest_key(batch)
+        if longest is not None:
+            self.plan(batch, longest)
+        return self.plan(batch)
 
     def plan(self, batch: Mapping[str, Any], key: ShapeKey | None = None) -> Plan:
         """The plan of `batch`'s bucket: profiled (on `batch` padded to the bucket's edge) and

@@ -4,8 +4,9 @@ Every entry point uses it: the Trainer callback, `AdaccTrainer`, and `adacc_hf.p
 loops and Accelerate. The session holds its parts, each an object with its own state around one
 `context.SessionContext`: the profiles (`profiles.ProfileStore`), the solver
 (`solving.BucketSolver`), the plans per bucket of batch shapes (`planner.Planner`), the rectifier
-and out-of-memory recovery (`tracking`), the reserved-memory guard (`guard`); it patches the model
-(`runtime.apply_adacc`) and plans before each training forward.
+and out-of-memory recovery (`tracking`), the reserved-memory guard (`guard`), and what it changes
+on the model (`patch.ModelPatch`: the runtime's patch, the planning hook before each training
+forward).
 """
 
 from __future__ import annotations
@@ -17,19 +18,15 @@ from typing import Any
 from torch import nn
 
 from ..adapters import unwrap_model
-from ..adapters.plain import plain_model
 from ..errors import AdaccError
 from ..policy import Policy
-from ..runtime import AdaccHandle, apply_adacc
-from ..runtime.allocator import use_expandable_segments
-from ..runtime.plain import check_forward
+from ..runtime import AdaccHandle
 from ..schema import Profile
 from .config import AdaccConfig
 from .context import SessionContext
 from .coordinator import Coordinator, coordinator_for_process
-from .facts import detect_autocast
-from .forward_hook import install_planning_hook
 from .guard import ReservedGuard
+from .patch import ModelPatch
 from .planner import Planner
 from .plans import AdaccEvent, Plan
 from .profiles import ProfileStore
@@ -58,6 +55,15 @@ class _OnContext:
         setattr(session.ctx, self.name, value)
 
 
+def _adopted(
+    choice: Any, config: AdaccConfig | None, profiles: dict[ShapeKey, Profile] | None
+) -> tuple[AdaccConfig, Policy, Profile, dict[ShapeKey, Profile]]:
+    """A session's config, policy, profile and profiles on the automatic micro-batch's `choice`
+    (an `autobatch.BatchChoice`: that module imports this one, so the type is not named here)."""
+    config = (config or AdaccConfig()).with_run(gradient_accumulation_steps=choice.accumulation)
+    return config, choice.policy, choice.profile, {**choice.profiles, **(profiles or {})}
+
+
 class AdaccSession:
     """Owns the plans (profile + policy per bucket), the patch on the model and the rectifier.
 
@@ -68,6 +74,8 @@ class AdaccSession:
         profile: the profile `policy` was solved on (a resumed run).
         coordinator: who decides across ranks (default: the process group's, if any).
         profiles: profiles by bucket to plan from (shared by sessions of the same model).
+        choice: the automatic micro-batch's choice (`autobatch.BatchChoice`): the session runs
+            its policy at its accumulation, plans from its profiles and logs it.
 
     Raises:
         AdaccError: `profile` without `policy` (to plan from a profile, pass `profiles`).
@@ -82,7 +90,10 @@ class AdaccSession:
         profile: Profile | None = None,
         coordinator: Coordinator | None = None,
         profiles: dict[ShapeKey, Profile] | None = None,
+        choice: Any = None,
     ) -> None:
+        if choice is not None:
+            config, policy, profile, profiles = _adopted(choice, config, profiles)
         if profile is not None and policy is None:
             raise AdaccError(
                 "AdaccSession(profile=...) goes with the policy solved on it (a resumed run); to "
@@ -100,12 +111,13 @@ class AdaccSession:
         self.planner = Planner(ctx, self.store, self.solver, self.guard, policy, profile)
         self.rectifier = Rectifier(ctx, self.planner)
         self.oom = OomRecovery(ctx, self.planner)
-        self.handle: AdaccHandle | None = None
-        self._hook: Any = None
+        self.patch = ModelPatch(ctx.model, self)
         # The automatic micro-batch's choice (`autobatch`), for loops that build their own batches.
-        self.micro_batch: int | None = None
-        self.accumulation: int | None = None
-        self.batch_choice: Any = None  # `autobatch.BatchChoice`
+        self.batch_choice = choice
+        self.micro_batch: int | None = getattr(choice, "micro_batch", None)
+        self.accumulation: int | None = getattr(choice, "accumulation", None)
+        if choice is not None:
+            ctx.events.append(choice.event())
 
     # ------------------------------------------------------------ what callers read
     model = _OnContext("The (unwrapped) model the session plans for.")
@@ -128,9 +140,10 @@ class AdaccSession:
         "Bytes every plan keeps free below the budget after out-of-memory errors."
     )
 
-    @property
-    def static_nbytes(self) -> int | None:
-        return self.ctx.static.total if self.ctx.static is not None else None
+    static_nbytes = property(
+        lambda self: self.ctx.static.total if self.ctx.static is not None else None,
+        doc="The step's static memory in bytes, once computed.",
+    )
 
     @property
     def policy(self) -> Policy | None:
@@ -143,45 +156,38 @@ class AdaccSession:
         return self.current.profile if self.current is not None else None
 
     @property
+    def handle(self) -> AdaccHandle | None:
+        """The runtime's patch on the model (`runtime.apply_adacc`), once a policy ran."""
+        return self.patch.handle
+
+    @property
     def active(self) -> bool:
-        return self.handle is not None and self.handle.active
+        """Whether a policy runs on the model now."""
+        return self.patch.active
 
     # ------------------------------------------------------------------ plans
     def key_of(self, batch: Mapping[str, Any]) -> ShapeKey:
-        """The bucket of `batch`, agreed on by every rank (the largest of theirs).
+        """The bucket of `batch` (`shapes.shape_key`), agreed on by every rank (their largest).
 
         Args:
             batch: a training micro-batch (a mapping of the forward's arguments by name).
-
-        Returns:
-            The bucket's key: (micro-batch size, bucketed length[, bucketed decoder length],
-            masked?); a plain PyTorch model's: (rows, elements per row, 0), exact.
         """
         return self.planner.key_of(batch)
 
     def plan(self, batch: Mapping[str, Any], key: ShapeKey | None = None) -> Plan:
-        """The plan of `batch`'s bucket (`Planner.plan`).
-
-        Profiled (on `batch` padded to the bucket's edge) and solved the first time, re-solved
-        when the rectifier moved its codec statistics; a fixed policy's plan serves every
-        bucket. Does not switch the model to it (`setup` does).
+        """The plan of `batch`'s bucket (`Planner.plan`: profiled and solved the first time,
+        re-solved when the rectifier moved its codec statistics); the model is not switched to
+        it (`use` does). Raises `BudgetError` where no policy of the bucket fits the budget.
 
         Args:
             batch: a training micro-batch of the bucket.
             key: the bucket to plan (None: `batch`'s, `key_of`).
-
-        Returns:
-            The bucket's `Plan`: its policy and the profile it was solved on.
-
-        Raises:
-            BudgetError: no policy of the bucket fits the budget.
         """
         return self.planner.plan(batch, key)
 
     def reuse_profiles(self, profiles: list[Profile], source: str) -> None:
-        """Plan from saved profiles where one's fingerprint is this run's for the bucket.
-
-        Buckets without such a profile are profiled anew.
+        """Plan from saved profiles where one's fingerprint is this run's for the bucket (the
+        others are profiled anew).
 
         Args:
             profiles: an earlier run's profiles (its ``adacc_profiles.json``).
@@ -190,11 +196,8 @@ class AdaccSession:
         self.store.reuse_profiles(profiles, source)
 
     def setup(self, batch: Mapping[str, Any], forward: bool = False) -> Policy:
-        """Plan `batch`'s bucket and patch the model with its plan.
-
-        When ``max_seq_len`` is set, the longest bucket is planned too, so a budget too small
-        for it fails now. A plain PyTorch model's forward is checked first (every block runs
-        once, the loss is a scalar).
+        """Plan `batch`'s bucket and patch the model with its plan (`Planner.first_plan`: with
+        ``max_seq_len`` the longest bucket first; a plain model's forward checked before).
 
         Args:
             batch: a training micro-batch (a mapping of the forward's arguments by name).
@@ -208,19 +211,22 @@ class AdaccSession:
             BudgetError: no policy fits the budget.
             UnsupportedModelError: a plain model's blocks or loss do not run as named.
         """
-        ctx = self.ctx
-        plain = plain_model(ctx.model) is not None
-        if plain:
-            with ctx.own_forwards():  # its blocks and loss, checked before any profiling
-                check_forward(ctx.model, batch)
-        if ctx.autocast is None:
-            ctx.autocast = detect_autocast(ctx.device, ctx.model if forward else None)
-        use_expandable_segments(ctx.config.memory.expandable_segments)
-        longest = self.planner.longest_key(batch)
-        if longest is not None:
-            self.planner.plan(batch, longest)
-        self.use(self.planner.plan(batch))
+        self.use(self.planner.first_plan(batch, forward))
         return self.policy
+
+    def start(self, batch: Mapping[str, Any] | None) -> None:
+        """Plan `batch` now where given (`setup`, then `on_step_begin` of step 1), and plan
+        before each training forward from now on (`attach`).
+
+        Args:
+            batch: a training micro-batch (None: the first training forward's).
+        """
+        if batch is not None:
+            self.setup(batch)
+            self.on_step_begin(1)
+        # every training forward plans its batch's bucket first (a longer batch than the sample's
+        # gets a plan of its own; a bucket the guard marked gets re-planned)
+        self.attach()
 
     def use(self, plan: Plan) -> None:
         """Run `plan`'s policy from the next forward on.
@@ -230,16 +236,10 @@ class AdaccSession:
         """
         if plan is self.current and self.active:
             return
-        self.model.__dict__["_adacc_session"] = self
-        if self.handle is not None and self.handle.active:
-            self.handle.set_policy(plan.policy)
-        else:
-            link = self.solver._link  # the cap its plans were made for (None: the default cap)
-            cap = link.host_cap_nbytes if link is not None else None
-            self.handle = apply_adacc(self.model, plan.policy, host_cap=cap or None)
+        link = self.solver._link  # the cap its plans were made for (None: the default cap)
+        cap = link.host_cap_nbytes if link is not None else None
+        self.patch.run(plan.policy, self.rectifier.tracker, host_cap=cap)
         self.planner.current = plan
-        if self.rectifier.tracker is not None:
-            self.handle.set_tracker(self.rectifier.tracker)
 
     def apply(self, policy: Policy) -> None:
         """Run `policy` for the current bucket.
@@ -253,10 +253,7 @@ class AdaccSession:
 
     def attach(self) -> None:
         """Plan and switch policies before each training forward (the first one profiles)."""
-        if self._hook is not None:
-            return
-        self.model.__dict__["_adacc_session"] = self
-        self._hook = install_planning_hook(self)
+        self.patch.hook()
 
     # ------------------------------------------------------------------ steps
     def on_step_begin(self, step: int) -> None:
@@ -269,13 +266,11 @@ class AdaccSession:
         if self.active:
             tracker = self.rectifier.arm(step)
             if tracker is not None:
-                self.handle.set_tracker(tracker)
+                self.patch.set_tracker(tracker)
 
     def on_step_end(self, step: int) -> AdaccEvent | None:
-        """Call after optimizer step `step`: the reserved-memory guard, and the rectifier.
-
-        On tracking steps the rectifier re-solves with the codecs' new statistics and maybe
-        switches policy.
+        """Call after optimizer step `step`: the reserved-memory guard, and the rectifier (on
+        tracking steps it re-solves with the codecs' new statistics and maybe switches policy).
 
         Args:
             step: the optimizer step that ended (1-based).
@@ -287,7 +282,7 @@ class AdaccSession:
         tracker, self.rectifier.tracker = self.rectifier.tracker, None
         if tracker is None or not self.active:
             return None
-        self.handle.set_tracker(None)
+        self.patch.set_tracker(None)
         event, new_policy = self.rectifier.decide(step, tracker)
         if new_policy is not None:
             self.apply(new_policy)
@@ -295,10 +290,8 @@ class AdaccSession:
         return event
 
     def step_done(self, step: int) -> AdaccEvent | None:
-        """For custom loops: call once after each optimizer step.
-
-        Runs `on_step_end` for `step`, then `on_step_begin` for the next one: on tracking steps
-        the rectifier re-measures the codecs and may switch policy.
+        """For custom loops: call once after each optimizer step (`on_step_end` for `step`, then
+        `on_step_begin` for the next one).
 
         Args:
             step: the optimizer step just taken (1-based).
@@ -311,9 +304,8 @@ class AdaccSession:
         return event
 
     def out_of_memory(self, message: str = "") -> bool:
-        """After an out-of-memory error: grow the device reserve and re-plan every bucket.
-
-        Every bucket is re-planned before its next forward (`tracking.OomRecovery.out_of_memory`).
+        """After an out-of-memory error: grow the device reserve; every bucket is re-planned
+        before its next forward (`tracking.OomRecovery.out_of_memory`).
 
         Args:
             message: the error's message (it sizes the reserve's growth; logged).
@@ -327,16 +319,13 @@ class AdaccSession:
     def run_step(
         self, run: Callable[[Any], Any], batches: Iterable[Any] | Mapping[str, Any]
     ) -> list[Any]:
-        """Custom loops: run one optimizer step's micro-batches, surviving out of memory.
-
-        ``run(batch)`` runs one micro-batch's forward and backward (``accelerator.backward``
-        included); call the optimizer after. A micro-batch that runs out of memory is re-planned
-        and the step's micro-batches run again from the first with their own random states, so
-        the gradients are those of a run that never failed (`retry`). Under several ranks errors
-        pass through (another rank would wait in a collective).
+        """Custom loops: run one optimizer step's micro-batches, surviving out of memory (a
+        micro-batch that runs out is re-planned and the step's micro-batches run again from the
+        first with their own random states: the gradients of a run that never failed; `retry`).
 
         Args:
-            run: the function of one micro-batch; its results are returned in order.
+            run: one micro-batch's forward and backward (``accelerator.backward`` included;
+                step the optimizer after `run_step`); its results are returned in order.
             batches: the step's micro-batches (or one batch).
 
         Returns:
@@ -361,14 +350,7 @@ class AdaccSession:
 
     def close(self) -> None:
         """Undo everything on the model (the policy and profile stay readable)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self.handle is not None:
-            self.handle.set_tracker(None)
-            self.handle.remove()
-        if self.model.__dict__.get("_adacc_session") is self:
-            del self.model.__dict__["_adacc_session"]
+        self.patch.remove()
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint saves of the session.

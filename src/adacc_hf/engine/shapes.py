@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..errors import AdaccError
 from ..schema.buckets import bucket_edge
 
 #: Attention masks: whether one masks anything sets the attention path.
@@ -198,3 +199,21 @@ def derivable(batch: Mapping[str, Any]) -> bool:
     """Whether a bucket of `batch` can take its memory from others: not a padding-free batch with
     varlen boundaries, which cutting to the tiny bucket would break."""
     return not any(k in batch for k in (*CU_SEQ_KEYS, *MAX_LENGTH_KEYS, "seq_idx"))
+
+
+def rows(batch: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """`batch` with `n` rows: its first `n`, or all of them repeated cyclically up to `n`."""
+    sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+    if len(sizes) != 1:
+        raise AdaccError(f"auto micro-batch: the batch's tensors disagree on rows ({sizes})")
+    have = sizes.pop()
+    index = torch.arange(n) % have
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            out[k] = v[:n] if n <= have else v[index.to(v.device)]
+        else:
+            out[k] = v
+    if "labels" in batch and batch["labels"] is batch.get("input_ids"):
+        out["labels"] = out["input_ids"]  # one storage, as the run passes it
+    return out

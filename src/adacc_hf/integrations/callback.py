@@ -15,6 +15,7 @@ from typing_extensions import Unpack
 from ..adapters import unwrap_model
 from ..engine.config import AdaccConfig
 from ..engine.options import AdaccOptions
+from ..engine.patch import owner_of
 from ..engine.saved import read_profiles
 from ..engine.session import AdaccSession
 from ..errors import AdaccError
@@ -113,8 +114,7 @@ class AdaccCallback(TrainerCallback):
             return
         # A callback added after the Trainer was built: `train()` has enabled checkpointing.
         self._take_over(args, model, peft_hooks=False)
-        base = unwrap_model(model)
-        owner = base.__dict__.get("_adacc_session")
+        owner = owner_of(unwrap_model(model))
         if owner is not None and owner is not self.session:
             logger.info("adacc: the model already has an adacc session; this callback stands by")
             return
@@ -164,22 +164,13 @@ class AdaccCallback(TrainerCallback):
         ):  # an earlier run of this one saved its profiles here
             found = ((read_profiles(d, strict=False), d) for d in (resume, args.output_dir) if d)
             saved = next(((p, d) for p, d in found if p), None)
-        if choice is not None and policy is None:  # the automatic micro-batch (`wiring`)
-            policy, profile = choice.policy, choice.profile
-        self.session = AdaccSession(
+        self.session = AdaccSession(  # a choice of the automatic micro-batch (`wiring`)
             model,
             config,
             policy=policy,
             profile=profile if policy else None,
-            profiles=dict(choice.profiles) if choice is not None else None,
+            choice=choice if policy is None else None,
         )
-        if choice is not None:
-            self.session.micro_batch, self.session.accumulation = (
-                choice.micro_batch,
-                choice.accumulation,
-            )
-            self.session.batch_choice = choice
-            self.session.events.append(choice.event())
         if saved is not None:
             self.session.reuse_profiles(*saved)
         if sched:

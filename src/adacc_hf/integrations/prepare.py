@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -10,12 +9,13 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from ..adapters import plain
-from ..engine.autobatch import choose_micro_batch, rows
+from ..adapters import plain, unwrap_model
+from ..engine.autobatch import choose_micro_batch
 from ..engine.config import AdaccConfig
-from ..engine.facts import FACTS, SHARDING_FACTS, RunFacts, warn_facts
+from ..engine.facts import FACTS, RunFacts, loop_facts
 from ..engine.options import SessionOptions
 from ..engine.session import AdaccSession
+from ..engine.shapes import rows
 from ..errors import AdaccError
 from ..policy import Policy
 
@@ -111,15 +111,12 @@ def prepare(
         PolicyError: a `policy` path that does not hold a readable policy, or (with
             `sample_batch`) a policy made for another model.
     """
-    if blocks is not None or loss is not None:
-        plain.register(model, blocks, loss)
-        if auto_batch_size:
-            raise AdaccError(
-                "prepare(auto_batch_size=True) does not take blocks= / loss= yet: choose the "
-                "micro-batch yourself"
-            )
-    else:
-        plain.unregister(model)  # an earlier prepare's blocks no longer apply
+    if auto_batch_size and (blocks is not None or loss is not None):
+        raise AdaccError(
+            "prepare(auto_batch_size=True) does not take blocks= / loss= yet: choose the "
+            "micro-batch yourself"
+        )
+    plain.declare(unwrap_model(model), blocks, loss)
     if isinstance(policy, str):
         policy = Policy.load(policy)
     cfg = AdaccConfig(
@@ -127,57 +124,18 @@ def prepare(
         codecs=list(codecs) if codecs is not None else None,
         adaptive=adaptive,
         auto_batch_size=auto_batch_size,
+        run=loop_facts(model, optimizer, gradient_accumulation_steps, run, options),
         **{k: v for k, v in options.items() if k not in FACTS},
-    ).with_run(_run_facts(model, optimizer, gradient_accumulation_steps, run, options))
+    )
+    choice = None
     if cfg.memory.auto_batch_size and policy is None:
         if sample_batch is None:
             raise AdaccError("prepare(auto_batch_size=True) needs a sample_batch")
-        return _prepare_auto(model, cfg, sample_batch, global_batch)
-    session = AdaccSession(model, cfg, policy=policy)
-    if sample_batch is not None:
-        session.setup(sample_batch)
-        session.on_step_begin(1)
-    # every training forward plans its batch's bucket first (a longer batch than the sample's
-    # gets a plan of its own; a bucket the guard marked gets re-planned)
-    session.attach()
-    return session
-
-
-def _run_facts(
-    model: nn.Module,
-    optimizer: Any,
-    accumulation: int | None,
-    run: RunFacts | None,
-    options: Mapping[str, Any],
-) -> RunFacts:
-    """The facts `prepare` plans with: `run`, else read off the loop (`RunFacts.from_loop`);
-    what the loop tells (`optimizer`, `accumulation`) over them; facts given by name (the old
-    way, warned) over everything."""
-    named = {k: v for k, v in options.items() if k in FACTS}
-    warn_facts(named)
-    if run is not None and named:
-        raise AdaccError(f"{', '.join(named)} given both in run= and by name: give them in run=")
-    shard = not named.keys() & SHARDING_FACTS  # sharding given by name: none read
-    run = RunFacts.from_loop(model, optimizer, accumulation, sharding=shard, base=run)
-    return dataclasses.replace(run, **named)
-
-
-def _prepare_auto(
-    model: nn.Module, cfg: AdaccConfig, sample: Mapping[str, Any], global_batch: int | None
-) -> AdaccSession:
-    """`prepare` with the automatic micro-batch: choose, then start on the chosen plan."""
-    if global_batch is None:
-        global_batch = len(next(iter(v for v in sample.values() if isinstance(v, Tensor))))
-        global_batch *= cfg.run.gradient_accumulation_steps
-    choice = choose_micro_batch(model, sample, cfg, global_batch)
-    cfg = cfg.with_run(gradient_accumulation_steps=choice.accumulation)
-    session = AdaccSession(
-        model, cfg, policy=choice.policy, profile=choice.profile, profiles=choice.profiles
-    )
-    session.micro_batch, session.accumulation = choice.micro_batch, choice.accumulation
-    session.batch_choice = choice
-    session.events.append(choice.event())
-    session.setup(rows(sample, choice.micro_batch))
-    session.on_step_begin(1)
-    session.attach()
+        if global_batch is None:
+            global_batch = len(next(v for v in sample_batch.values() if isinstance(v, Tensor)))
+            global_batch *= cfg.run.gradient_accumulation_steps
+        choice = choose_micro_batch(model, sample_batch, cfg, global_batch)
+        sample_batch = rows(sample_batch, choice.micro_batch)
+    session = AdaccSession(model, cfg, policy=policy, choice=choice)
+    session.start(sample_batch)
     return session
