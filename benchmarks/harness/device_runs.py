@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from adacc_hf.devices.calibrate import Run, Setting
+from adacc_hf.runtime.timing import BLOCK_TIMING
 
 from .models import SMOLLM2_CONFIG, find_specs
 
@@ -26,6 +27,13 @@ TAGS = {"h100": "nvidia-h100-80gb-hbm3", "h200": "nvidia-h200"}
 #: The offload check ran the chunked head in chunks of 8 MiB of logits on the GPU (the CPU's
 #: size; the GPU's is larger since): it is simulated as it ran.
 OFFLOAD_RUN_CHUNK_NBYTES = 8 * 2**20
+
+
+def _synchronised(results: dict) -> bool:
+    """Whether the run's profiler timed a block synchronised, alone: results recorded before it
+    timed blocks among blocks (`runtime.timing.BLOCK_TIMING`, where a GPU's host runs ahead)
+    name no timing; their plans are made again as their code made them."""
+    return results.get("block_timing") != BLOCK_TIMING
 
 
 def _setting(name: str, batch: int, seq_len: int) -> Setting:
@@ -41,7 +49,8 @@ def committed_runs(device: str) -> list[Run]:
     runs: list[Run] = []
     first = RESULTS / f"first-{tag}.json"
     if first.exists():
-        sections = json.loads(first.read_text())["sections"]
+        data = json.loads(first.read_text())
+        sections, synchronised = data["sections"], _synchronised(data)
         t = sections.get("throughput")
         if t:
             s = _setting(t["model"], t["batch"], t["seq_len"])
@@ -55,6 +64,7 @@ def committed_runs(device: str) -> list[Run]:
                         row.get("step_ms_median"),
                         row.get("peak_nbytes"),
                         t["budget_nbytes"] if name == "adacc" else None,
+                        synchronised_blocks=synchronised,
                     )
                 )
         p = sections.get("peaks")
@@ -74,11 +84,13 @@ def committed_runs(device: str) -> list[Run]:
                         None,
                         row["peak_nbytes"],
                         row["budget_nbytes"],
+                        synchronised_blocks=synchronised,
                     )
                 )
     offload = RESULTS / f"offload-{tag}.json"
     if offload.exists():
         d = json.loads(offload.read_text())
+        synchronised = _synchronised(d)
         s = _setting(d["model"], 1, d["lengths"][1])
         tokens = d["lengths"][1]
         for name in ("hf_full", "adacc_offload", "adacc_no_offload", "adacc_offload_tight"):
@@ -97,6 +109,7 @@ def committed_runs(device: str) -> list[Run]:
                     head="chunked",
                     offload=name != "adacc_no_offload",
                     gpu_chunk_nbytes=OFFLOAD_RUN_CHUNK_NBYTES,
+                    synchronised_blocks=synchronised,
                 )
             )
     return runs

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from adacc_hf.runtime.timing import BLOCK_TIMING
+
 
 def device_name(device: str | torch.device) -> str:
     device = torch.device(device)
@@ -93,6 +95,9 @@ def header(suite: str, argv: list[str] | None, device: str | torch.device) -> di
         "command": command_line(argv),
         "device": device_name(device),
         "threads": torch.get_num_threads(),
+        # how the profiler timed a block (`runtime.timing.BLOCK_TIMING`): a committed run's plan
+        # is made again so (`harness.device_runs`)
+        "block_timing": BLOCK_TIMING,
         "load_average_at_start": os.getloadavg(),  # other jobs on the machine (1, 5, 15 min)
         "versions": {
             "torch": torch.__version__,

@@ -212,7 +212,8 @@ def plan_on_device(args: argparse.Namespace) -> int:
         offload=args.offload,
         codecs=args.codecs.split(",") if args.codecs else None,
         codec_speed=args.codec_speed,
-        expandable=args.allocator == "expandable",
+        expandable=args.allocator != "default",
+        fit_reserved=args.allocator != "off",
     )
     lo, hi = p.window
     print(f"done in {time.perf_counter() - t0:.1f} s")
@@ -357,9 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument(
         "--allocator",
         default="expandable",
-        choices=["expandable", "default"],
+        choices=["expandable", "default", "off"],
         help="CUDA's caching allocator the reserved peak is modelled for (expandable: what "
-        "import adacc_hf sets where PYTORCH_CUDA_ALLOC_CONF is unset)",
+        "import adacc_hf sets where PYTORCH_CUDA_ALLOC_CONF is unset; off: plan the allocated "
+        "peak alone, as the committed GPU runs did, the reserved peak still modelled under "
+        "expandable segments)",
     )
     q.add_argument(
         "--offload", action=argparse.BooleanOptionalAction, default=None, help="on paper"

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..runtime import timing
 from .dryrun import replay
 from .table import DEFAULT_EFFICIENCY, DeviceTable
 
@@ -77,6 +78,9 @@ class Run:
     # the chunked head's chunk size on a GPU when the run was measured, where it was not today's
     # (`runtime.head_loss.GPU_CHUNK_LOGITS_NBYTES`): a run is simulated as the code ran it
     gpu_chunk_nbytes: int | None = None
+    # the profiler timed blocks synchronised, one run alone (`runtime.timing.synchronised`), not
+    # among blocks as it does today: the plan is made again as the run's code made it
+    synchronised_blocks: bool = False
 
 
 @dataclass
@@ -126,7 +130,7 @@ def simulate(runs: Sequence[Run], table: DeviceTable) -> list[Outcome]:
                 s = plan.steps[r.strategy]
                 out.append(Outcome(r, s.step_ms, s.peak_nbytes, trace=s.trace))
         for r in (r for r in rs if r.strategy == "adacc"):
-            with _chunks(r.gpu_chunk_nbytes):
+            with _chunks(r.gpu_chunk_nbytes), timing.synchronised(r.synchronised_blocks):
                 plan = plan_for_device(
                     model,
                     batch,

@@ -91,6 +91,10 @@ class DryRun(TorchDispatchMode):
         """Modelled seconds until everything issued so far is done."""
         return max(self.host_s, self.device_s)
 
+    def queue(self) -> float:
+        """Modelled seconds until the device has run every kernel issued so far."""
+        return self.device_s
+
     def synchronize(self) -> None:
         """The host waits until the device has run everything issued."""
         self.host_s = self.device_s = self.clock()
@@ -257,7 +261,11 @@ def dry_run(roofline: Roofline | None = None) -> Iterator[DryRun]:
             yield mode
         return
     pricer = partial(codec_call, mode, roofline)
-    with mode, timing.modelled(mode.clock, roofline, mode.synchronize), backends.priced(pricer):
+    with (
+        mode,
+        timing.modelled(mode.clock, roofline, mode.synchronize, mode.queue),
+        backends.priced(pricer),
+    ):
         yield mode
 
 

@@ -30,6 +30,8 @@ logger = logging.getLogger("adacc_hf")
 #: A compiled plan measured this far under the limit (a share of the limit less static memory)
 #: is solved once more.
 SLACK = 0.02
+#: Solves at most, an adaptive plan solved again with its tracking step's room kept free.
+TRACKING_SOLVES = 3
 
 
 class BucketSolver:
@@ -88,9 +90,15 @@ class BucketSolver:
         if (
             c.tracking.adaptive
         ):  # room for the rectifier to re-measure the lossy codecs the plan runs
-            need = min(tracking_need(profile, policy), tracking_room_cap(budget, static))
-            peak = policy.metadata.get("predicted", {}).get("peak_nbytes")
-            if need and peak is not None and budget - reserve - peak < need:
+            cap = tracking_room_cap(budget, static)
+            # a plan solved with room kept free may run other codecs, which need more: solved
+            # again until the plan keeps what its own tracking step needs (within the cap)
+            for _ in range(TRACKING_SOLVES):
+                wanted = min(tracking_need(profile, policy), cap)
+                need = max(need, wanted)
+                peak = policy.metadata.get("predicted", {}).get("peak_nbytes")
+                if not wanted or peak is None or budget - reserve - peak >= wanted:
+                    break
                 policy = solve(reserve + need)
         headroom = headroom_for(profile) if c.memory.headroom is None else c.memory.headroom
         policy.metadata.update(

@@ -4,7 +4,7 @@ backward timed whole under four action tables.
 Op times measured one at a time miss what the step adds around them: memory traffic and page
 faults of fresh outputs, OpenMP barriers when another job holds a core, the runtime's dispatch
 modes and checkpoint machinery. So the block that was profiled runs forward + backward, on the
-inputs it got, interleaved (medians, `timing.work_clock`), as
+inputs it got, interleaved (medians; `timing.steady_ms`: on a GPU among blocks run back to back), as
 
 - ``plain``: no checkpointing;
 - ``recompute``: full recomputation (transformers' checkpointing: no dispatch modes);
@@ -37,7 +37,7 @@ from ..runtime.checkpoint import BlockRuntime
 from ..runtime.context import autocast_context, detached_input
 from ..runtime.offload import HostStore
 from ..runtime.overhead import dispatch_overhead_ms
-from ..runtime.timing import modelled_clock, paired_added_ms, sync, work_clock
+from ..runtime.timing import modelled_clock, paired_added_ms, steady_ms
 from ..schema import Action, GroupPolicy, OpProfile, OpSpec, Variant
 
 #: Scales outside this range are noise (e.g. a block of microseconds), not a measurement, unless
@@ -166,15 +166,14 @@ def _step_ms(
     input and parameters), in ms."""
     x, x_in = detached_input(args[0])
     inputs = [t for t in (x, *block.parameters()) if t.requires_grad]
-    clock = work_clock(device)
-    sync(device)
-    t0 = clock()
-    with autocast_context(torch.device(device), autocast):
-        out = runtime(fn, x_in, *args[1:]) if runtime is not None else fn(x_in, *args[1:])
-    y = out[0] if isinstance(out, (tuple, list)) else out
-    torch.autograd.grad(y, inputs, grad_outputs=torch.ones_like(y), allow_unused=True)
-    sync(device)
-    return (clock() - t0) * 1e3
+
+    def step() -> None:
+        with autocast_context(torch.device(device), autocast):
+            out = runtime(fn, x_in, *args[1:]) if runtime is not None else fn(x_in, *args[1:])
+        y = out[0] if isinstance(out, (tuple, list)) else out
+        torch.autograd.grad(y, inputs, grad_outputs=torch.ones_like(y), allow_unused=True)
+
+    return steady_ms(step, device)  # among blocks, as a step runs them (GPU: host hidden)
 
 
 def settled(times: dict[str, list[float]], a: str, b: str) -> bool:

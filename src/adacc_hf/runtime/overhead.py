@@ -11,7 +11,7 @@ from torch import nn
 from ..schema import GroupPolicy, Variant
 from .checkpoint import BlockRuntime
 from .modes import _BuildMode, _KeepMode, _Run
-from .timing import added_work_ms, floor_met, least_added_ms, modelled_clock, time_call
+from .timing import added_work_ms, floor_met, least_added_ms, modelled_clock, steady_ms
 
 __all__ = ["dispatch_overhead_ms"]
 
@@ -35,8 +35,9 @@ def dispatch_overhead_ms(
     adds per such block (`GroupProfile.dispatch_ms`).
 
     The overhead is Python work on the calling thread: on CPU it is timed with that thread's CPU
-    clock (other processes on a shared machine do not run on it); on CUDA with synchronised wall
-    time (host overhead the device hides costs nothing there). That clock still counts the
+    clock (other processes on a shared machine do not run on it); on CUDA (and a modelled
+    device) on the device's queue among blocks run back to back (`timing.steady_ms`: host
+    overhead the device hides behind the block before costs nothing there). That clock still counts the
     OpenMP barriers the thread spins at while a worker waits for a busy core (a tiny llama's
     plain forward of 0.6 ms measured up to 37 ms so, on a loaded machine), so the two forwards
     run in alternating order, at least `MIN_RUNS` times each (`repeats` if more), and the
@@ -58,11 +59,11 @@ def dispatch_overhead_ms(
 
     cuda = torch.device(device).type == "cuda"
     if modelled_clock() is not None:  # a modelled device: one deterministic run of each
-        return 2.0 * added_work_ms(time_call(keep, device, 1) - time_call(plain, device, 1))
+        return 2.0 * added_work_ms(steady_ms(keep, device) - steady_ms(plain, device))
 
     def ms(f: Any) -> float:
         if cuda:
-            return time_call(f, device, 1)
+            return steady_ms(f, device)
         t0 = time.thread_time()
         f()
         return (time.thread_time() - t0) * 1e3

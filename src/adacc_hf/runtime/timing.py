@@ -29,17 +29,21 @@ from typing import Any
 
 import torch
 
-_modelled: list[tuple[Callable[[], float], Any, Callable[[], None]]] = []
+_modelled: list[tuple[Callable[[], float], Any, Callable[[], None], Callable[[], float]]] = []
 
 
 @contextlib.contextmanager
 def modelled(
-    clock: Callable[[], float], device: Any = None, synchronize: Callable[[], None] = lambda: None
+    clock: Callable[[], float],
+    device: Any = None,
+    synchronize: Callable[[], None] = lambda: None,
+    queue: Callable[[], float] | None = None,
 ) -> Iterator[None]:
     """Inside, every timing here reads `clock` (modelled seconds) and `sync` calls
     `synchronize` (the host waits for the modelled device); `device` (a
-    `devices.roofline.Roofline`) answers `modelled_device`."""
-    _modelled.append((clock, device, synchronize))
+    `devices.roofline.Roofline`) answers `modelled_device`; `queue` is the modelled seconds at
+    which the device has run what was issued so far, the host aside (default: `clock`)."""
+    _modelled.append((clock, device, synchronize, queue or clock))
     try:
         yield
     finally:
@@ -90,6 +94,59 @@ def time_call(
         sync(device)
         times.append((clock() - t0) * 1e3)
     return statistics.median(times)
+
+
+#: How the profiler times a block's step (`steady_ms`), recorded in every GPU check's results:
+#: runs recorded without it timed one synchronised run alone (`synchronised`).
+BLOCK_TIMING = "steady"
+_synchronised: list[bool] = []
+
+
+@contextlib.contextmanager
+def synchronised(on: bool = True) -> Iterator[None]:
+    """Inside (where `on`), `steady_ms` times one synchronised run, as the profiler did before it
+    timed blocks among blocks: how a committed GPU run's plan is made again as its code made it
+    (`devices.calibrate.Run.synchronised_blocks`)."""
+    _synchronised.append(on)
+    try:
+        yield
+    finally:
+        _synchronised.pop()
+
+
+def steady_ms(fn: Callable[[], Any], device: torch.device | str) -> float:
+    """`fn()`'s time in ms as a step runs it, among more of the same work: on a GPU (and a
+    modelled one) the host issues ops ahead of the device, so its own cost is hidden wherever
+    the device is busier; a lone synchronised run would show the queue draining empty and the
+    device waiting for the host at its start. So `fn` runs twice back to back and the second
+    run is timed on the device's queue, from the first run's end to its own (CUDA events; a
+    modelled device's `queue`): the device's busy time plus any wait for a host that falls
+    behind. Elsewhere (a CPU runs ops as they are issued, and inside `synchronised`) one run on
+    `work_clock`, synchronised."""
+    if _synchronised and _synchronised[-1]:
+        return time_call(fn, device, 1, work_clock(device))
+    if _modelled:
+        queue = _modelled[-1][3]
+        sync(device)
+        fn()
+        start = queue()
+        fn()
+        end = queue()
+        sync(device)
+        return (end - start) * 1e3
+    if torch.device(device).type == "cuda":
+        first, second = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        fn()
+        first.record()
+        fn()
+        second.record()
+        torch.cuda.synchronize(device)
+        return first.elapsed_time(second)
+    clock = work_clock(device)
+    t0 = clock()
+    fn()
+    return (clock() - t0) * 1e3
 
 
 def cpu_timer(
