@@ -171,23 +171,29 @@ class AdaccSession:
 
         Args:
             batch: a training micro-batch (a mapping of the forward's arguments by name).
+
+        Returns:
+            The bucket's key.
         """
         return self.planner.key_of(batch)
 
     def plan(self, batch: Mapping[str, Any], key: ShapeKey | None = None) -> Plan:
-        """The plan of `batch`'s bucket (`Planner.plan`: profiled and solved the first time,
-        re-solved when the rectifier moved its codec statistics); the model is not switched to
-        it (`use` does). Raises `BudgetError` where no policy of the bucket fits the budget.
+        """The plan of `batch`'s bucket (`Planner.plan`); the model is not switched to it.
+
+        Profiled and solved the first time, re-solved when the rectifier moved its codec
+        statistics; raises `BudgetError` where no policy of the bucket fits the budget.
 
         Args:
             batch: a training micro-batch of the bucket.
             key: the bucket to plan (None: `batch`'s, `key_of`).
+
+        Returns:
+            The bucket's `Plan`.
         """
         return self.planner.plan(batch, key)
 
     def reuse_profiles(self, profiles: list[Profile], source: str) -> None:
-        """Plan from saved profiles where one's fingerprint is this run's for the bucket (the
-        others are profiled anew).
+        """Plan from saved profiles where one's fingerprint is this run's (others: profiled anew).
 
         Args:
             profiles: an earlier run's profiles (its ``adacc_profiles.json``).
@@ -196,8 +202,7 @@ class AdaccSession:
         self.store.reuse_profiles(profiles, source)
 
     def setup(self, batch: Mapping[str, Any], forward: bool = False) -> Policy:
-        """Plan `batch`'s bucket and patch the model with its plan (`Planner.first_plan`: with
-        ``max_seq_len`` the longest bucket first; a plain model's forward checked before).
+        """Plan `batch`'s bucket and patch the model with its plan (`Planner.first_plan`).
 
         Args:
             batch: a training micro-batch (a mapping of the forward's arguments by name).
@@ -215,8 +220,7 @@ class AdaccSession:
         return self.policy
 
     def start(self, batch: Mapping[str, Any] | None) -> None:
-        """Plan `batch` now where given (`setup`, then `on_step_begin` of step 1), and plan
-        before each training forward from now on (`attach`).
+        """Plan `batch` now where given (`setup`), and before each training forward from now on.
 
         Args:
             batch: a training micro-batch (None: the first training forward's).
@@ -269,8 +273,7 @@ class AdaccSession:
                 self.patch.set_tracker(tracker)
 
     def on_step_end(self, step: int) -> AdaccEvent | None:
-        """Call after optimizer step `step`: the reserved-memory guard, and the rectifier (on
-        tracking steps it re-solves with the codecs' new statistics and maybe switches policy).
+        """Call after optimizer step `step`: the reserved-memory guard, and the rectifier.
 
         Args:
             step: the optimizer step that ended (1-based).
@@ -290,8 +293,7 @@ class AdaccSession:
         return event
 
     def step_done(self, step: int) -> AdaccEvent | None:
-        """For custom loops: call once after each optimizer step (`on_step_end` for `step`, then
-        `on_step_begin` for the next one).
+        """For custom loops: call once after each optimizer step (`on_step_end`, `on_step_begin`).
 
         Args:
             step: the optimizer step just taken (1-based).
@@ -304,8 +306,7 @@ class AdaccSession:
         return event
 
     def out_of_memory(self, message: str = "") -> bool:
-        """After an out-of-memory error: grow the device reserve; every bucket is re-planned
-        before its next forward (`tracking.OomRecovery.out_of_memory`).
+        """After an out-of-memory error: grow the device reserve and re-plan every bucket.
 
         Args:
             message: the error's message (it sizes the reserve's growth; logged).
@@ -319,9 +320,10 @@ class AdaccSession:
     def run_step(
         self, run: Callable[[Any], Any], batches: Iterable[Any] | Mapping[str, Any]
     ) -> list[Any]:
-        """Custom loops: run one optimizer step's micro-batches, surviving out of memory (a
-        micro-batch that runs out is re-planned and the step's micro-batches run again from the
-        first with their own random states: the gradients of a run that never failed; `retry`).
+        """Custom loops: run one optimizer step's micro-batches, surviving out of memory.
+
+        A micro-batch that runs out is re-planned and the step's micro-batches run again from the
+        first with their own random states: the gradients of a run that never failed (`retry`).
 
         Args:
             run: one micro-batch's forward and backward (``accelerator.backward`` included;
