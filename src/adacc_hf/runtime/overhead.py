@@ -37,8 +37,8 @@ def dispatch_overhead_ms(
     The overhead is Python work on the calling thread: on CPU it is timed with that thread's CPU
     clock (other processes on a shared machine do not run on it); on CUDA (and a modelled
     device) on the device's queue among blocks run back to back (`timing.steady_ms`: host
-    overhead the device hides behind the block before costs nothing there). That clock still counts the
-    OpenMP barriers the thread spins at while a worker waits for a busy core (a tiny llama's
+    overhead the device hides behind the block before costs nothing there). The CPU clock still
+    counts the OpenMP barriers the thread spins at while a worker waits for a busy core (a tiny llama's
     plain forward of 0.6 ms measured up to 37 ms so, on a loaded machine), so the two forwards
     run in alternating order, at least `MIN_RUNS` times each (`repeats` if more), and the
     estimate is their least-disturbed runs' difference (`timing.least_added_ms`; never below 0),

@@ -123,7 +123,8 @@ def steady_ms(fn: Callable[[], Any], device: torch.device | str) -> float:
     modelled device's `queue`): the device's busy time plus any wait for a host that falls
     behind. Elsewhere (a CPU runs ops as they are issued, and inside `synchronised`) one run on
     `work_clock`, synchronised."""
-    if _synchronised and _synchronised[-1]:
+    lone = bool(_synchronised) and _synchronised[-1]
+    if lone or (not _modelled and torch.device(device).type != "cuda"):
         return time_call(fn, device, 1, work_clock(device))
     if _modelled:
         queue = _modelled[-1][3]
@@ -134,19 +135,14 @@ def steady_ms(fn: Callable[[], Any], device: torch.device | str) -> float:
         end = queue()
         sync(device)
         return (end - start) * 1e3
-    if torch.device(device).type == "cuda":
-        first, second = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        fn()
-        first.record()
-        fn()
-        second.record()
-        torch.cuda.synchronize(device)
-        return first.elapsed_time(second)
-    clock = work_clock(device)
-    t0 = clock()
+    first, second = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
     fn()
-    return (clock() - t0) * 1e3
+    first.record()
+    fn()
+    second.record()
+    torch.cuda.synchronize(device)
+    return first.elapsed_time(second)
 
 
 def cpu_timer(
